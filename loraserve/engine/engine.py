@@ -1,0 +1,282 @@
+"""LLMEngine: add_request / step / abort.
+
+``step()`` is the algorithm: schedule -> run the model -> sample -> postprocess. Everything else
+(LoRA slots, KV blocks, detokenization) lives behind one object each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from loraserve.config import EngineConfig, resolve_dtype
+from loraserve.engine.detokenizer import detokenize_incrementally, find_stop_string
+from loraserve.engine.kv_cache import BlockManager
+from loraserve.engine.model_runner import ModelRunner, RunnerOutput, size_kv_cache
+from loraserve.engine.sampler import Sampler, compute_logprobs
+from loraserve.engine.scheduler import ScheduledBatch, Scheduler
+from loraserve.engine.sequence import Request, Sequence
+from loraserve.lora.request import LoRARequest
+from loraserve.models.loader import default_dtype, iterate_safetensors, load_weights, resolve_model_dir
+from loraserve.models.registry import get_model_class
+from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
+from loraserve.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request is invalid (too long, bad token ids, ...); the message says how to fix it."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        self.config = config
+        mc = config.model
+        self.model_dir, self.model_name = resolve_model_dir(mc.model, config.env)
+        self.hf_config = AutoConfig.from_pretrained(str(self.model_dir))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.device = torch.device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, getattr(self.hf_config, "dtype", None), self.device)
+        self.max_model_len = mc.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
+        self.vocab_size = self.hf_config.vocab_size
+        torch.manual_seed(mc.seed)
+        model_cls = get_model_class(self.hf_config)
+        with torch.device(self.device), default_dtype(self.dtype):
+            self.model = model_cls(self.hf_config)
+        load_weights(self.model, iterate_safetensors(self.model_dir, progress=progress))
+        self.model.eval()
+
+        self.lora_manager = None
+        if config.lora is not None:
+            from loraserve.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, config.lora, self.hf_config, self.device)
+
+        sc = config.scheduler
+        num_blocks = size_kv_cache(self.model, config.cache, self.dtype, self.device, sc.max_num_seqs, self.max_model_len)
+        self.blocks = BlockManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(sc, self.blocks, max_loras=config.lora.max_loras if config.lora else None)
+        self.runner = ModelRunner(self.model, self.blocks, self.dtype, self.device, self.lora_manager)
+        self.sampler = Sampler(mc.seed)
+        self.eos_token_ids = self._eos_ids()
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._req_ids = itertools.count()
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(src)
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return str(next(self._req_ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise RequestError("a request needs a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        self.validate_prompt(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            if self.lora_manager is None:
+                raise RequestError("this engine was started without LoRA; restart with enable_lora=True")
+            self.lora_manager.add_adapter(lora_request)  # parses and validates now: errors before queuing
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed(params.seed + i)
+            seqs.append(
+                Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, lora_request, gen)
+            )
+        req = Request(request_id, prompt, list(prompt_token_ids), params, lora_request, seqs)
+        self.requests[request_id] = req
+        for s in seqs:
+            if self.lora_manager is not None and lora_request is not None:
+                self.lora_manager.acquire(lora_request.lora_int_id)
+            self.scheduler.add(s)
+
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                f"(prompt + at least one new token must fit); shorten the prompt or raise --max-model-len"
+            )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
+            raise RequestError(
+                f"the prompt needs {self.blocks.blocks_for(len(ids) + 1)} KV blocks but the cache has "
+                f"{self.blocks.num_blocks}; raise the KV cache size or shorten the prompt"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        out = self.runner.run(batch)
+        token_ids = self._sample(out)
+        return self._postprocess(batch, out, token_ids)
+
+    def _sample(self, out: RunnerOutput) -> list[int]:
+        if not out.sample_seqs:
+            return []
+        params = [s.params for s in out.sample_seqs]
+        gens = [s.generator for s in out.sample_seqs]
+        banned = [self._banned_ids(s) for s in out.sample_seqs]
+        return self.sampler(out.sample_logits, params, gens, banned).tolist()
+
+    def _banned_ids(self, seq: Sequence) -> list[int]:
+        if len(seq.output_token_ids) >= seq.params.min_tokens:
+            return []
+        stops = set(seq.params.stop_token_ids)
+        if not seq.params.ignore_eos:
+            stops |= self.eos_token_ids
+        return sorted(stops)
+
+    def _postprocess(self, batch: ScheduledBatch, out: RunnerOutput, token_ids: list[int]) -> list[RequestOutput]:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        for seq in batch.seqs:
+            if seq.seq_id in out.prompt_logits:
+                self._record_prompt_logprobs(seq, *out.prompt_logits[seq.seq_id])
+        sample_logprobs = None
+        if out.sample_seqs and any(s.params.logprobs is not None for s in out.sample_seqs):
+            lp = torch.log_softmax(out.sample_logits.float(), dim=-1)
+            ks = [s.params.logprobs or 0 for s in out.sample_seqs]
+            sample_logprobs = compute_logprobs(lp, torch.tensor(token_ids, device=lp.device), ks)
+        now = time.monotonic()
+        for i, (seq, tok) in enumerate(zip(out.sample_seqs, token_ids)):
+            if seq.prompt_logprobs is None and seq.params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None] + [seq._prompt_lp[p] for p in range(seq.num_prompt_tokens - 1)]
+            seq.output_token_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if sample_logprobs is not None and seq.logprobs is not None:
+                seq.logprobs.append(self._logprob_dict(sample_logprobs, i, tok))
+            self._check_stop(seq, tok)
+        touched = {s.request_id for s in batch.seqs}
+        return [self._request_output(self.requests[r]) for r in touched if r in self.requests]
+
+    def _record_prompt_logprobs(self, seq: Sequence, first_pos: int, logits: torch.Tensor) -> None:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor(seq.prompt_token_ids[first_pos + 1 : first_pos + 1 + lp.shape[0]], device=lp.device)
+        top = compute_logprobs(lp, targets, [seq.params.prompt_logprobs] * lp.shape[0])
+        if not hasattr(seq, "_prompt_lp"):
+            seq._prompt_lp = {}
+        for j in range(lp.shape[0]):
+            seq._prompt_lp[first_pos + j] = self._logprob_dict(top, j, int(targets[j]))
+
+    def _logprob_dict(self, top, i: int, token: int) -> dict[int, Logprob]:
+        d = {
+            tid: Logprob(lp, r + 1, self.tokenizer.decode([tid]))
+            for r, (tid, lp) in enumerate(zip(top.top_ids[i], top.top_logprobs[i]))
+        }
+        if token not in d:
+            d[token] = Logprob(top.token_logprob[i], top.token_rank[i], self.tokenizer.decode([token]))
+        return d
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        new_text = detokenize_incrementally(self.tokenizer, seq)
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                return self._finish(seq, "stop")
+            if tok in p.stop_token_ids:
+                seq.stop_reason = tok
+                return self._finish(seq, "stop")
+            stop = find_stop_string(seq, len(new_text)) if p.stop_list else None
+            if stop is not None:
+                seq.stop_reason = stop
+                return self._finish(seq, "stop")
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if self.lora_manager is not None and seq.lora_int_id:
+            self.lora_manager.release(seq.lora_int_id)
+
+    def _request_output(self, req: Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=list(s.output_token_ids),
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in req.seqs
+        ]
+        finished = req.finished
+        if finished:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=req.seqs[0].prompt_logprobs,
+            outputs=outs,
+            finished=finished,
+            lora_request=req.lora_request,
+            metrics={
+                "arrival_time": min(s.arrival_time for s in req.seqs),
+                "first_token_time": min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
+            },
+        )
+
+    def generate_all(self, items: Iterable[tuple]) -> list[RequestOutput]:
+        """Run (prompt, params, prompt_token_ids, lora_request) items to completion; outputs in order."""
+        ids = []
+        try:
+            for prompt, params, tok_ids, lora in items:
+                rid = self.new_request_id()
+                self.add_request(rid, prompt, params, tok_ids, lora)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.abort_request(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for o in self.step():
+                if o.finished:
+                    done[o.request_id] = o
+        return [done[r] for r in ids]

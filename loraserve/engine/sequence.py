@@ -1,0 +1,87 @@
+"""Per-request state. A request with n > 1 owns n sequences that share its prompt."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loraserve.lora.request import LoRARequest
+from loraserve.outputs import PromptLogprobs, SampleLogprobs
+from loraserve.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_request: LoRARequest | None = None
+    generator: torch.Generator | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # filled once, during the first prefill
+    logprobs: SampleLogprobs | None = None
+    text: str = ""
+    prefix_offset: int = 0  # incremental detokenization window
+    read_offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.prefix_offset = max(len(self.prompt_token_ids) - 5, 0)
+        self.read_offset = len(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request else 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_request: LoRARequest | None
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

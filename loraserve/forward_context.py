@@ -1,0 +1,64 @@
+"""One scoped context per forward pass: attention metadata and the LoRA mapping.
+
+Model forwards stay ``(input_ids, positions)``; only attention and LoRA layers read this.
+Nesting is refused, and the context is always cleared on exit.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from loraserve.lora.punica import LoRAMapping
+
+
+@dataclass
+class AttentionMetadata:
+    """Varlen batch: sequence i owns query rows [query_starts[i], query_starts[i] + query_lens[i])."""
+
+    slot_mapping: torch.Tensor  # (T,) cache slot of each new token
+    query_starts: list[int]
+    query_lens: list[int]
+    context_lens: list[int]  # tokens in the cache after this step, per sequence
+    kv_slots: list[torch.Tensor]  # cache slots of positions [0, context_len), per sequence
+    block_tables: torch.Tensor | None = None  # (B, max_blocks) for GPU kernels
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata | None = None
+    lora: LoRAMapping | None = None
+    extra: dict[str, Any] | None = None
+
+
+_CURRENT: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(attn: AttentionMetadata | None = None, lora: LoRAMapping | None = None):
+    global _CURRENT
+    if _CURRENT is not None:
+        raise RuntimeError("forward_context is already active; nested forwards are not supported")
+    _CURRENT = ForwardContext(attn=attn, lora=lora)
+    try:
+        yield _CURRENT
+    finally:
+        _CURRENT = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _CURRENT is None:
+        raise RuntimeError("no forward_context: run the model inside `with forward_context(...)`")
+    return _CURRENT
+
+
+def current_lora_mapping() -> LoRAMapping | None:
+    return None if _CURRENT is None else _CURRENT.lora

@@ -1,0 +1,69 @@
+"""Paged attention behind one interface.
+
+The KV cache of a layer is two tensors (num_slots, num_kv_heads, head_dim), slot = block * block_size
++ offset, bound by the model runner (``bind_kv_cache``). The torch reference path gathers each
+sequence's slots and runs SDPA with a causal (optionally sliding-window) mask; GPU kernels plug in
+behind ``Attention.forward`` without changing the model code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve.forward_context import AttentionMetadata, get_forward_context
+
+
+def reference_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """q (T, Hq, D) over the cache -> (T, Hq, D)."""
+    out = torch.empty_like(q)
+    for i in range(md.num_seqs):
+        s, n, L = md.query_starts[i], md.query_lens[i], md.context_lens[i]
+        qs = q[s : s + n].transpose(0, 1)  # (Hq, n, D)
+        slots = md.kv_slots[i]
+        ks = k_cache[slots].transpose(0, 1)  # (Hk, L, D)
+        vs = v_cache[slots].transpose(0, 1)
+        q_pos = torch.arange(L - n, L, device=q.device)[:, None]
+        k_pos = torch.arange(L, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # (n, L)
+        if sliding_window is not None:
+            mask &= q_pos - k_pos < sliding_window
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s : s + n] = o.transpose(0, 1)
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (T, Hq*D), k/v (T, Hk*D) -> (T, Hq*D). Writes k/v into the cache first."""
+        md = get_forward_context().attn
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        assert self.k_cache is not None, "KV cache not bound; the model runner binds it before the first forward"
+        self.k_cache[md.slot_mapping] = k.to(self.k_cache.dtype)
+        self.v_cache[md.slot_mapping] = v.to(self.v_cache.dtype)
+        o = reference_paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
+        return o.reshape(T, self.num_heads * self.head_dim)

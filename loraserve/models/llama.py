@@ -1,0 +1,135 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2.
+
+Module paths mirror HF's (``model.layers.N.self_attn.qkv_proj`` packs q/k/v_proj), so checkpoint
+and adapter keys map by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraserve.layers.activation import SiluAndMul
+from loraserve.layers.attention import Attention
+from loraserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from loraserve.layers.norm import RMSNorm
+from loraserve.layers.rotary import RotaryEmbedding
+from loraserve.layers.vocab import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
+from loraserve.models.interfaces import SupportsLoRA
+
+
+def _sliding_window(config, layer_idx: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // heads
+        model_type = config.model_type
+        attn_bias = getattr(config, "attention_bias", False)
+        qkv_bias = True if model_type == "qwen2" else attn_bias
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=attn_bias and model_type != "qwen2")
+        self.qk_norm = model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=_sliding_window(config, layer_idx),
+        )
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        T = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, -1, self.head_dim)  # (T, Hq, D)
+        k = k.reshape(T, -1, self.head_dim)  # (T, Hk, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q.reshape(T, -1), k.reshape(T, -1), v)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(h)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module, SupportsLoRA):
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    # (our param, checkpoint name, shard id) for checkpoints that store the pieces separately
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden)
