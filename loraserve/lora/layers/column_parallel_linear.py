@@ -1,0 +1,112 @@
+"""Column-parallel LoRA wrappers: A whole, B sliced by output (each slice on its own for packed layers).
+
+- ColumnParallelLinearWithLoRA: one output.
+- MergedColumnParallelLinearWithLoRA: gate_up_proj (2 slices: gate, up).
+- MergedColumnParallelLinearVariableSliceWithLoRA: 3 or more packed outputs.
+- QKVParallelLinearWithLoRA: one packed LoRA on a fused qkv (Phi-3 checkpoints); B is split into its
+  q/k/v rows to shard by heads.
+- MergedQKVParallelLinearWithLoRA: separate q/k/v LoRAs (3 slices, GQA sizes, replicated kv heads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loraserve.distributed.comm import tp_all_gather
+from loraserve.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear
+from loraserve.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+
+class ColumnParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
+    def __init__(self, base_layer: ColumnParallelLinear):
+        super().__init__(base_layer)
+        self.input_size = base_layer.input_size
+        self.output_slices = (base_layer.output_size_per_partition,)
+        self.full_shapes = [(base_layer.input_size, base_layer.output_size)]
+
+    def slice_lora_b(self, lora_b):
+        out = []
+        for b, n in zip(lora_b, self.output_slices):
+            out.append(None if b is None else b.narrow(0, self.tp_rank * n, n))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.base_layer
+        y = self.apply_lora(F.linear(x, base.weight, base.bias), x)
+        return tp_all_gather(y) if base.gather_output else y
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None) -> bool:
+        return type(source_layer) is ColumnParallelLinear or (
+            type(source_layer) is MergedColumnParallelLinear and len(packed_modules_list) == 1
+        )
+
+
+class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
+    n_packed = 2
+
+    def __init__(self, base_layer: MergedColumnParallelLinear):
+        BaseLinearLayerWithLoRA.__init__(self, base_layer)
+        self.input_size = base_layer.input_size
+        self.output_slices = tuple(base_layer.output_partition_sizes)
+        self.full_shapes = [(base_layer.input_size, s) for s in base_layer.output_sizes]
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None) -> bool:
+        return type(source_layer) is MergedColumnParallelLinear and len(packed_modules_list) == cls.n_packed
+
+
+class MergedColumnParallelLinearVariableSliceWithLoRA(MergedColumnParallelLinearWithLoRA):
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None) -> bool:
+        return (
+            type(source_layer) is MergedColumnParallelLinear
+            and len(packed_modules_list) >= 3
+            and len(packed_modules_list) == len(source_layer.output_sizes)
+        )
+
+
+class MergedQKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
+    def __init__(self, base_layer: QKVParallelLinear):
+        BaseLinearLayerWithLoRA.__init__(self, base_layer)
+        self.input_size = base_layer.input_size
+        self.output_slices = tuple(base_layer.output_partition_sizes)  # (q, k, v) on this rank
+        self.full_shapes = [(base_layer.input_size, s) for s in base_layer.output_sizes]
+
+    def slice_lora_b(self, lora_b):
+        out = []
+        for b, sid in zip(lora_b, ("q", "k", "v")):
+            if b is None:
+                out.append(None)
+                continue
+            _, size, start = self.base_layer.shard_offset(sid)
+            out.append(b.narrow(0, start, size))
+        return out
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None) -> bool:
+        return type(source_layer) is QKVParallelLinear and len(packed_modules_list) == 3
+
+
+class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
+    def __init__(self, base_layer: QKVParallelLinear):
+        BaseLinearLayerWithLoRA.__init__(self, base_layer)
+        self.input_size = base_layer.input_size
+        self.output_slices = (sum(base_layer.output_partition_sizes),)
+        self.full_shapes = [(base_layer.input_size, sum(base_layer.output_sizes))]
+
+    def slice_lora_b(self, lora_b):
+        (b,) = lora_b
+        if b is None:
+            return [None]
+        q, k, _ = self.base_layer.output_sizes
+        parts = []
+        for sid, full in (("q", b[:q]), ("k", b[q : q + k]), ("v", b[q + k :])):
+            _, size, start = self.base_layer.shard_offset(sid)
+            parts.append(full.narrow(0, start, size))
+        return [torch.cat(parts, dim=0)]
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None) -> bool:
+        return type(source_layer) is QKVParallelLinear and len(packed_modules_list) == 1

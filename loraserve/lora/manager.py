@@ -1,0 +1,306 @@
+"""LoRAManager: wraps the model's layers, owns the device slots and the host cache.
+
+Tiers: registered adapters (disk paths) -> host cache of parsed, packed adapters (``max_cpu_loras``,
+LRU) -> device slots (``max_loras``, LRU among adapters not needed by the current batch).
+Verbs come in pairs: ``add_adapter / remove_adapter``, ``acquire / release`` (in-flight requests),
+``pin / unpin``; ``prepare_mapping`` makes every adapter of a batch resident and builds its mapping.
+
+Removing an adapter while requests use it: those requests finish on the weights they started with;
+the slot and host copy are freed when the last one ends; new requests get ``UnknownAdapterError``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from loraserve.config import LoRAConfig
+from loraserve.lora.errors import (
+    LoRAFormatError,
+    LoRAShapeError,
+    LoRAUnknownModuleError,
+    LoRAUnsupportedFeatureError,
+    UnknownAdapterError,
+)
+from loraserve.lora.layers import LORA_LAYER_CLASSES, BaseLayerWithLoRA, LogitsProcessorWithLoRA
+from loraserve.lora.mapping import LoRATarget, describe_unknown_module, find_lora_targets
+from loraserve.lora.peft import LoRAAdapter, load_adapter
+from loraserve.lora.punica import LoRAMapping, PunicaWrapper
+from loraserve.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PackedAdapter:
+    """An adapter laid out for our modules: module path -> per-slice (A, B) or None."""
+
+    request: LoRARequest
+    adapter: LoRAAdapter
+    per_module: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.adapter.nbytes
+
+
+def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, name, new)
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, config: LoRAConfig, hf_config, device: torch.device):
+        self.model = model
+        self.config = config
+        self.hf_config = hf_config
+        self.device = device
+        self.max_loras = config.max_loras
+        self.punica = PunicaWrapper(config.max_loras, device)
+        self.targets: dict[str, LoRATarget] = {}
+        self.modules: dict[str, BaseLayerWithLoRA] = {}
+        self._wrap_model()
+        self._registered: dict[int, LoRARequest] = {}
+        self._host: OrderedDict[int, PackedAdapter] = OrderedDict()  # LRU: oldest first
+        self._slot_ids: list[int | None] = [None] * config.max_loras
+        self._slot_lru: OrderedDict[int, None] = OrderedDict()  # resident ids, least recently used first
+        self._refs: Counter[int] = Counter()
+        self._pinned: set[int] = set()
+        self._removed: dict[int, PackedAdapter] = {}  # removed while in use: kept until released
+        self.stats: Counter[str] = Counter()
+
+    # ---- wrapping -------------------------------------------------------------------------------
+    def _wrap_model(self) -> None:
+        targets, self._restricted = find_lora_targets(self.model, self.config.lora_target_modules)
+        for t in targets:
+            cls = next(
+                (c for c in LORA_LAYER_CLASSES if c.can_replace_layer(t.module, self.config, t.packed, self.hf_config)),
+                None,
+            )
+            if cls is None:
+                continue
+            if cls is LogitsProcessorWithLoRA:
+                wrapper = cls(t.module, self.hf_config.hidden_size, self.device)
+            else:
+                wrapper = cls(t.module)
+            wrapper.create_lora_weights(self.max_loras, self.config, self.hf_config)
+            wrapper.set_mapping(self.punica)
+            _set_submodule(self.model, t.path, wrapper)
+            self.targets[t.path] = t
+            self.modules[t.path] = wrapper
+
+    # ---- registration ---------------------------------------------------------------------------
+    def add_adapter(self, req: LoRARequest) -> bool:
+        """Register (parse + validate now). False if this id is already registered with the same path."""
+        old = self._registered.get(req.lora_int_id)
+        if old is not None:
+            if old.lora_path == req.lora_path and old.lora_name == req.lora_name:
+                return False
+            raise LoRAFormatError(
+                f"lora_int_id {req.lora_int_id} is already used by adapter {old.lora_name!r} ({old.lora_path}); "
+                f"new weights need a new lora_int_id"
+            )
+        packed = self._pack(req)
+        self._registered[req.lora_int_id] = req
+        self._host_put(req.lora_int_id, packed)
+        self.stats["registered"] += 1
+        return True
+
+    def remove_adapter(self, lora_int_id: int) -> bool:
+        req = self._registered.pop(lora_int_id, None)
+        if req is None:
+            return False
+        self._pinned.discard(lora_int_id)
+        packed = self._host.pop(lora_int_id, None)
+        if self._refs[lora_int_id] > 0:
+            # in-flight requests finish on these weights; freed at the last release()
+            self._removed[lora_int_id] = packed or self._pack(req)
+        else:
+            self._free_slot(lora_int_id)
+        return True
+
+    def list_adapters(self) -> list[int]:
+        return sorted(self._registered)
+
+    def get_request(self, lora_int_id: int) -> LoRARequest:
+        if lora_int_id not in self._registered:
+            raise UnknownAdapterError(f"unknown adapter id {lora_int_id}; register it with add_lora first")
+        return self._registered[lora_int_id]
+
+    def pin(self, lora_int_id: int) -> bool:
+        self.get_request(lora_int_id)
+        self._pinned.add(lora_int_id)
+        return True
+
+    def unpin(self, lora_int_id: int) -> bool:
+        self._pinned.discard(lora_int_id)
+        return True
+
+    # ---- in-flight reference counts -------------------------------------------------------------
+    def acquire(self, lora_int_id: int) -> None:
+        if lora_int_id not in self._registered:
+            raise UnknownAdapterError(f"unknown adapter id {lora_int_id}; it was removed or never added")
+        self._refs[lora_int_id] += 1
+
+    def release(self, lora_int_id: int) -> None:
+        self._refs[lora_int_id] -= 1
+        if self._refs[lora_int_id] <= 0:
+            del self._refs[lora_int_id]
+            if lora_int_id in self._removed:
+                del self._removed[lora_int_id]
+                self._free_slot(lora_int_id)
+
+    def in_use(self, lora_int_id: int) -> bool:
+        return self._refs[lora_int_id] > 0
+
+    # ---- tiers ----------------------------------------------------------------------------------
+    def _host_put(self, lid: int, packed: PackedAdapter) -> None:
+        self._host[lid] = packed
+        self._host.move_to_end(lid)
+        while len(self._host) > self.config.max_cpu_loras:
+            victim = next((i for i in self._host if i not in self._pinned and i != lid), None)
+            if victim is None:
+                break
+            del self._host[victim]
+            self.stats["host_evictions"] += 1
+
+    def _host_get(self, lid: int) -> PackedAdapter:
+        if lid in self._removed:
+            return self._removed[lid]
+        if lid in self._host:
+            self._host.move_to_end(lid)
+            return self._host[lid]
+        packed = self._pack(self.get_request(lid))  # disk tier: parse again
+        self.stats["disk_loads"] += 1
+        self._host_put(lid, packed)
+        return packed
+
+    def _free_slot(self, lid: int) -> None:
+        if lid in self._slot_lru:
+            slot = self._slot_ids.index(lid)
+            for m in self.modules.values():
+                m.reset_lora(slot)
+            self._slot_ids[slot] = None
+            del self._slot_lru[lid]
+
+    def slot_of(self, lid: int) -> int | None:
+        return self._slot_ids.index(lid) if lid in self._slot_lru else None
+
+    def _ensure_slot(self, lid: int, protected: set[int]) -> int:
+        if lid in self._slot_lru:
+            self._slot_lru.move_to_end(lid)
+            return self._slot_ids.index(lid)
+        if None in self._slot_ids:
+            slot = self._slot_ids.index(None)
+        else:
+            order = sorted(self._slot_lru, key=lambda i: i in self._pinned)  # unpinned first, LRU within
+            victim = next((i for i in order if i not in protected), None)
+            if victim is None:
+                raise RuntimeError(f"a batch needs more than max_loras={self.max_loras} adapters")
+            slot = self._slot_ids.index(victim)
+            del self._slot_lru[victim]
+            self.stats["slot_evictions"] += 1
+        packed = self._host_get(lid)
+        for path, m in self.modules.items():
+            pieces = packed.per_module.get(path)
+            if pieces is None:
+                m.reset_lora(slot)
+            else:
+                m.set_lora(slot, [p and p[0] for p in pieces], [p and p[1] for p in pieces])
+        self._slot_ids[slot] = lid
+        self._slot_lru[lid] = None
+        self.stats["slot_loads"] += 1
+        return slot
+
+    def prepare_mapping(self, token_lora_ids: list[int], logit_lora_ids: list[int]) -> LoRAMapping | None:
+        """Make the batch's adapters resident; map lora_int_id (0 = base) to slots (-1 = base)."""
+        needed = set(token_lora_ids) | set(logit_lora_ids)
+        needed.discard(0)
+        if not needed:
+            return None
+        slots = {lid: self._ensure_slot(lid, needed) for lid in needed}
+        slots[0] = -1
+        return LoRAMapping.build([slots[i] for i in token_lora_ids], [slots[i] for i in logit_lora_ids], self.device)
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._slot_lru)
+
+    @property
+    def num_host_cached(self) -> int:
+        return len(self._host)
+
+    # ---- packing and validation -----------------------------------------------------------------
+    def _pack(self, req: LoRARequest) -> PackedAdapter:
+        adapter = load_adapter(req.lora_path, req.lora_name, self.config.max_lora_rank, self.config.resolved_dtype())
+        if adapter.nbytes > self.config.max_adapter_bytes:
+            raise LoRAShapeError(
+                f"adapter {req.lora_name!r} ({req.lora_path}) is {adapter.nbytes} bytes > the limit "
+                f"{self.config.max_adapter_bytes}; raise max_adapter_bytes"
+            )
+        self._check_base_copies(adapter)
+        per_module: dict[str, list] = {}
+        consumed: set[str] = set()
+        for path, t in self.targets.items():
+            wrapper = self.modules[path]
+            shapes = wrapper.expected_shapes()
+            slices: list = []
+            for i, piece in enumerate(t.pieces):
+                w = adapter.modules.get(piece) if piece is not None else None
+                if w is None:
+                    slices.append(None)
+                    continue
+                consumed.add(piece)
+                self._check_shape(req, piece, w, shapes[i], getattr(wrapper, "is_embedding", False))
+                slices.append((w.lora_a, w.lora_b))
+            if any(s is not None for s in slices):
+                per_module[path] = slices
+        unknown = sorted(set(adapter.modules) - consumed)
+        if unknown:
+            reasons = "; ".join(describe_unknown_module(self.model, n, self._restricted) for n in unknown[:3])
+            raise LoRAUnknownModuleError(
+                f"adapter {req.lora_name!r} ({req.lora_path}) targets {len(unknown)} module(s) this model "
+                f"cannot serve: {reasons}"
+            )
+        return PackedAdapter(req, adapter, per_module)
+
+    @staticmethod
+    def _check_shape(req: LoRARequest, name: str, w, shape: tuple[int, int], is_embedding: bool) -> None:
+        where = f"adapter {req.lora_name!r} ({req.lora_path}), module {name!r}"
+        if w.is_embedding != is_embedding:
+            kind = "an embedding" if is_embedding else "a linear layer"
+            raise LoRAShapeError(f"{where}: the base module is {kind} but the adapter has the other kind of LoRA")
+        a_cols, b_rows = shape
+        if w.lora_a.shape[1] != a_cols or w.lora_b.shape[0] != b_rows:
+            what = "vocab, hidden" if is_embedding else "in, out"
+            raise LoRAShapeError(
+                f"{where}: LoRA shapes A{tuple(w.lora_a.shape)} B{tuple(w.lora_b.shape)} do not fit the base "
+                f"module ({what}) = {shape}; was the adapter trained for another base model?"
+            )
+
+    def _check_base_copies(self, adapter: LoRAAdapter) -> None:
+        """Embedding copies saved with the adapter must equal the base (serving them differently is refused)."""
+        named = dict(self.model.named_modules())
+        for name, copy in adapter.base_weight_copies.items():
+            module = named.get(name)
+            base = getattr(module, "base_layer", module)
+            weight = getattr(base, "weight", None)
+            if weight is None:
+                raise LoRAUnknownModuleError(
+                    f"adapter {adapter.name!r} ({adapter.path}) saves a copy of {name!r}.weight, which the model lacks"
+                )
+            start = getattr(base, "vocab_start", 0)
+            n = getattr(base, "vocab_end", weight.shape[0]) - start
+            if copy.shape[1:] != weight.shape[1:] or copy.shape[0] < start + n or not torch.equal(
+                copy[start : start + n].to(device=weight.device, dtype=weight.dtype), weight[:n]
+            ):
+                raise LoRAUnsupportedFeatureError(
+                    f"adapter {adapter.name!r} ({adapter.path}) saves a {name}.base_layer.weight that differs from "
+                    f"the base model's (a resized or retrained embedding); serving modified embeddings is not "
+                    f"supported yet: use the base model it was trained on"
+                )

@@ -1,0 +1,251 @@
+"""Read and validate a PEFT LoRA adapter dir -> ``LoRAAdapter`` (per-module A, scaled B).
+
+Follows ../shared/reference/peft_semantics.md:
+- tensor keys decide which modules carry LoRA (``base_model.model.`` prefix, ``lora_A/B.weight``,
+  ``lora_embedding_A/B``); ``target_modules`` is only validated;
+- per-module r and alpha from ``rank_pattern`` / ``alpha_pattern`` in the file's key order, first
+  ``re.match(rf"(.*\\.)?({key})$", name)`` wins; ``use_rslora`` gives alpha / sqrt(r);
+- the scale is folded into B in fp32;
+- ``unembed_tokens`` (Tinker exports) is ``lm_head``;
+- features we do not serve yet are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from loraserve.lora.errors import (
+    LoRAAdapterNotFoundError,
+    LoRAFormatError,
+    LoRARankError,
+    LoRAUnsupportedFeatureError,
+)
+
+PREFIX = "base_model.model."
+CONFIG_NAME = "adapter_config.json"
+SAFETENSORS_NAME = "adapter_model.safetensors"
+BIN_NAME = "adapter_model.bin"
+_BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq")
+_MODULE_ALIASES = {"model.unembed_tokens": "lm_head", "unembed_tokens": "lm_head"}
+
+
+@dataclass
+class LoRAModuleWeights:
+    """One module's LoRA. Linear: A (r, in), B (out, r). Embedding: A (r, V), B (H, r). B is pre-scaled."""
+
+    module_name: str  # HF module path, without the base_model.model. prefix
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor  # s * B, folded in fp32
+    rank: int
+    scaling: float
+    is_embedding: bool = False
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    config: dict
+    modules: dict[str, LoRAModuleWeights]
+    # embedding copies saved beside the adapter (module name -> full weight); checked against the base
+    base_weight_copies: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return max((m.rank for m in self.modules.values()), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.lora_a.nbytes + m.lora_b.nbytes for m in self.modules.values())
+
+
+def pattern_key(pattern: dict, name: str) -> str | None:
+    """PEFT's get_pattern_key: the first key (in dict order) whose regex matches the end of name at a dot."""
+    for key in pattern:
+        if re.match(rf"(.*\.)?({key})$", name):
+            return key
+    return None
+
+
+def _refuse(path: Path, feature: str, fix: str) -> LoRAUnsupportedFeatureError:
+    return LoRAUnsupportedFeatureError(f"adapter {path}: {feature} is not supported yet; {fix}")
+
+
+def check_supported(cfg: dict, path: Path) -> None:
+    """Refuse, by name, every PEFT feature that would change the math we serve."""
+    f = path / CONFIG_NAME
+    peft_type = cfg.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise _refuse(f, f"peft_type {peft_type!r}", "only LoRA adapters can be served")
+    if cfg.get("use_dora"):
+        raise _refuse(f, "DoRA (use_dora=true)", "merge the adapter into the base model, or serve a plain LoRA")
+    if cfg.get("modules_to_save"):
+        raise _refuse(f, f"modules_to_save={cfg['modules_to_save']}", "retrain without modules_to_save")
+    if cfg.get("bias", "none") != "none":
+        raise _refuse(f, f"bias={cfg['bias']!r}", "retrain with bias='none'")
+    if cfg.get("lora_bias"):
+        raise _refuse(f, "lora_bias (a bias on lora_B)", "retrain with lora_bias=false")
+    if cfg.get("trainable_token_indices"):
+        raise _refuse(f, "trainable_token_indices", "retrain without trainable tokens")
+    if cfg.get("target_parameters"):
+        raise _refuse(f, f"target_parameters={cfg['target_parameters']}", "target modules, not raw parameters")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):
+        raise _refuse(
+            f,
+            f"init_lora_weights={init!r} (it modifies the base weights at load time)",
+            "convert it to plain LoRA with PEFT's path_initial_model_for_weight_conversion",
+        )
+    if cfg.get("layer_replication"):
+        raise _refuse(f, "layer_replication", "serve a model without replicated layers")
+    if cfg.get("alora_invocation_tokens"):
+        raise _refuse(f, "aLoRA (alora_invocation_tokens)", "serve it as a plain LoRA adapter")
+    for key, feature in (("use_bdlora", "block-diagonal LoRA (use_bdlora)"), ("kasa_config", "KaSA"), ("use_qalora", "QALoRA")):
+        if cfg.get(key):
+            raise _refuse(f, feature, "serve a plain LoRA adapter")
+
+
+def _validate_targets(cfg: dict, f: Path) -> None:
+    t = cfg.get("target_modules")
+    if t is None or isinstance(t, list) and all(isinstance(x, str) for x in t):
+        return
+    if isinstance(t, str):
+        if t in ("all-linear", "all"):
+            return
+        try:
+            re.compile(t)
+        except re.error as e:
+            raise LoRAFormatError(f"adapter {f}: target_modules {t!r} is not a valid regex: {e}") from e
+        return
+    raise LoRAFormatError(f"adapter {f}: target_modules must be a list of names or a regex string, got {t!r}")
+
+
+def read_config(path: Path) -> dict:
+    if not path.exists():
+        raise LoRAAdapterNotFoundError(f"adapter dir {path} does not exist; check the lora_path")
+    f = path / CONFIG_NAME
+    if not f.is_file():
+        raise LoRAFormatError(f"adapter {path}: {CONFIG_NAME} is missing; save the adapter with PEFT's save_pretrained")
+    try:
+        cfg = json.loads(f.read_text())  # dicts keep the file's key order, which rank_pattern needs
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoRAFormatError(f"adapter {f}: invalid JSON ({e}); re-save the adapter config") from e
+    if not isinstance(cfg, dict):
+        raise LoRAFormatError(f"adapter {f}: expected a JSON object")
+    for key in ("r", "lora_alpha"):
+        if key in cfg and not isinstance(cfg[key], (int, float)):
+            raise LoRAFormatError(f"adapter {f}: {key} must be a number, got {cfg[key]!r}")
+    return cfg
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    st, binf = path / SAFETENSORS_NAME, path / BIN_NAME
+    try:
+        if st.is_file():
+            from safetensors.torch import load_file
+
+            return load_file(str(st))
+        if binf.is_file():
+            # NOTE: weights_only=True: a .bin adapter is a pickle; never run code from it
+            sd = torch.load(str(binf), map_location="cpu", weights_only=True)
+            if not isinstance(sd, dict):
+                raise LoRAFormatError(f"adapter {binf}: expected a state dict")
+            return sd
+    except LoRAFormatError:
+        raise
+    except Exception as e:
+        raise LoRAFormatError(f"adapter {path}: cannot read the weights file ({type(e).__name__}: {e})") from e
+    raise LoRAFormatError(f"adapter {path}: neither {SAFETENSORS_NAME} nor {BIN_NAME} exists")
+
+
+def _split_key(key: str, f: Path) -> tuple[str, str]:
+    """'base_model.model.X.lora_A.weight' -> ('X', 'lora_A'). Refuses keys of unserved features by name."""
+    if not key.startswith(PREFIX):
+        raise LoRAFormatError(f"adapter {f}: tensor key {key!r} lacks the {PREFIX!r} prefix PEFT writes")
+    k = key[len(PREFIX) :]
+    for suffix, kind in (
+        (".lora_A.weight", "lora_A"),
+        (".lora_B.weight", "lora_B"),
+        (".lora_embedding_A", "lora_embedding_A"),
+        (".lora_embedding_B", "lora_embedding_B"),
+        (".base_layer.weight", "base_layer.weight"),
+    ):
+        if k.endswith(suffix):
+            return k[: -len(suffix)], kind
+    if k.endswith(".lora_B.bias"):
+        raise _refuse(f, f"lora_bias (tensor {key})", "retrain with lora_bias=false")
+    if "lora_magnitude_vector" in k:
+        raise _refuse(f, f"DoRA (tensor {key})", "serve a plain LoRA adapter")
+    if "trainable_tokens" in k:
+        raise _refuse(f, f"trainable tokens (tensor {key})", "retrain without trainable tokens")
+    if k.endswith(".bias"):
+        raise _refuse(f, f"trained biases (tensor {key})", "retrain with bias='none'")
+    raise LoRAFormatError(f"adapter {f}: unrecognized tensor key {key!r} (is this a PEFT LoRA adapter?)")
+
+
+def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+    """Parse and validate an adapter dir. Raises a LoRAError subclass naming the file, module and fix."""
+    path = Path(path)
+    cfg = read_config(path)
+    check_supported(cfg, path)
+    _validate_targets(cfg, path / CONFIG_NAME)
+    tensors = read_tensors(path)
+    wfile = path / (SAFETENSORS_NAME if (path / SAFETENSORS_NAME).is_file() else BIN_NAME)
+    if not tensors:
+        raise LoRAFormatError(f"adapter {wfile}: holds no tensors")
+
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    copies: dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        module, kind = _split_key(key, wfile)
+        if kind == "base_layer.weight":
+            copies[_MODULE_ALIASES.get(module, module)] = t
+            continue
+        parts.setdefault(module, {})[kind] = t
+
+    r_default, alpha_default = cfg.get("r", 8), cfg.get("lora_alpha", 8)
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    rslora = bool(cfg.get("use_rslora", False))
+    modules: dict[str, LoRAModuleWeights] = {}
+    for module, p in parts.items():
+        is_emb = "lora_embedding_A" in p or "lora_embedding_B" in p
+        ka, kb = ("lora_embedding_A", "lora_embedding_B") if is_emb else ("lora_A", "lora_B")
+        if ka not in p or kb not in p:
+            missing = ka if ka not in p else kb
+            raise LoRAFormatError(f"adapter {wfile}: module {module!r} has no {missing} tensor; the file is incomplete")
+        a, b = p[ka], p[kb]
+        if a.dim() != 2 or b.dim() != 2:
+            raise LoRAFormatError(f"adapter {wfile}: module {module!r}: LoRA tensors must be 2-D, got {tuple(a.shape)}, {tuple(b.shape)}")
+        rk, ak = pattern_key(rank_pattern, module), pattern_key(alpha_pattern, module)
+        r = rank_pattern[rk] if rk is not None else r_default
+        alpha = alpha_pattern[ak] if ak is not None else alpha_default
+        if a.shape[0] != r or b.shape[1] != r:
+            raise LoRARankError(
+                f"adapter {wfile}: module {module!r} has rank {a.shape[0]} tensors but the config gives r={r} "
+                f"(rank_pattern/alpha_pattern are matched in file order); fix adapter_config.json"
+            )
+        if r > max_rank:
+            raise LoRARankError(
+                f"adapter {path.name!r} ({path}) has rank {r} > max_lora_rank {max_rank} at module {module!r}; "
+                f"restart with --max-lora-rank {r}"
+            )
+        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        mod_name = _MODULE_ALIASES.get(module, module)
+        # NOTE: fold the scale in fp32, as PEFT computes s * B(Ax) with fp32 adapter weights
+        modules[mod_name] = LoRAModuleWeights(
+            module_name=mod_name,
+            lora_a=a.float().to(dtype).contiguous(),
+            lora_b=(b.float() * scaling).to(dtype).contiguous(),
+            rank=r,
+            scaling=scaling,
+            is_embedding=is_emb,
+        )
+    if not modules:
+        raise LoRAFormatError(f"adapter {wfile}: holds no LoRA tensors")
+    return LoRAAdapter(name=name or path.name, path=str(path), config=cfg, modules=modules, base_weight_copies=copies)
