@@ -61,7 +61,7 @@ class LLMEngine:
         sc = config.scheduler
         num_blocks = size_kv_cache(self.model, config.cache, self.dtype, self.device, sc.max_num_seqs, self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(sc, self.blocks, max_loras=config.lora.max_loras if config.lora else None)
+        self.scheduler = Scheduler(sc, self.blocks, adapters=self.lora_manager)
         self.runner = ModelRunner(self.model, self.blocks, self.dtype, self.device, self.lora_manager)
         self.sampler = Sampler(mc.seed)
         self.eos_token_ids = self._eos_ids()
@@ -148,10 +148,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch.empty:
-            return []
+            return self._idle()
         out = self.runner.run(batch)
         token_ids = self._sample(out)
         return self._postprocess(batch, out, token_ids)
+
+    def _idle(self) -> list[RequestOutput]:
+        """Nothing runnable: requests wait on adapter loads. Fail those whose reload broke, else wait a bit."""
+        if self.lora_manager is None or not self.scheduler.has_unfinished():
+            return []
+        failed = self.lora_manager.take_load_errors()
+        outs = []
+        for req in list(self.requests.values()):
+            if req.lora_request is not None and req.lora_request.lora_int_id in failed:
+                for seq in req.seqs:
+                    if not seq.is_finished:
+                        self._finish(seq, "abort")
+                outs.append(self._request_output(req))
+        if not outs:
+            self.lora_manager.wait_for_loads()
+        return outs
 
     def _sample(self, out: RunnerOutput) -> list[int]:
         if not out.sample_seqs:

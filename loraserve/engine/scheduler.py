@@ -5,17 +5,33 @@ admits waiting ones while three budgets allow: ``max_num_batched_tokens``, ``max
 blocks, plus one for LoRA: at most ``max_loras`` distinct adapters among the running sequences.
 When blocks run out, the most recently admitted sequence is preempted (its blocks freed, its tokens
 recomputed later).
+
+Adapters: a waiting request whose adapter is not resident asks ``adapters.activate`` (the LoRA
+manager), which loads it off the step loop; until then the request waits and others go on. When all
+slots are held by running adapters, the oldest blocked request waits at most ``max_adapter_wait_steps``
+steps: then the scheduler drains one slot (it stops admitting the running adapter with the fewest
+sequences until they finish), so a cold adapter is never starved by hot ones.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from loraserve.config import SchedulerConfig
 from loraserve.engine.kv_cache import BlockManager
 from loraserve.engine.sequence import Sequence, SequenceStatus
+
+
+class AdapterSlots(Protocol):
+    max_loras: int
+
+    def pinned_resident(self) -> set[int]: ...
+
+    def activate(self, lora_int_id: int, protected: set[int]) -> bool:
+        """True when the adapter is resident in a slot (evicting none of ``protected``); False = wait."""
+        ...
 
 
 @dataclass
@@ -37,17 +53,20 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         blocks: BlockManager,
-        max_loras: int | None = None,
-        adapter_ready: Callable[[int], bool] | None = None,
+        adapters: AdapterSlots | None = None,
+        max_adapter_wait_steps: int = 8,
     ):
         self.config = config
         self.blocks = blocks
-        self.max_loras = max_loras
-        # adapter_ready(lora_int_id): False while an adapter is still loading; such requests wait
-        self.adapter_ready = adapter_ready or (lambda _id: True)
+        self.adapters = adapters
+        self.max_adapter_wait_steps = max_adapter_wait_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_drains = 0
+        self._draining: int | None = None  # adapter not admitted while a starved request waits for its slot
+        self._starved: Sequence | None = None
+        self._starved_steps = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -100,14 +119,17 @@ class Scheduler:
             return batch
         adapters = self.active_adapters()
         skipped: list[Sequence] = []
+        blocked_by_slots: Sequence | None = None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
             lid = seq.lora_int_id
-            if lid and not self.adapter_ready(lid):
-                skipped.append(seq)
+            if lid and not self._adapter_admissible(lid, adapters):
+                if blocked_by_slots is None and lid not in adapters:
+                    blocked_by_slots = seq
+                skipped.append(seq)  # others on resident adapters go on
                 continue
-            if lid and lid not in adapters and self.max_loras is not None and len(adapters) >= self.max_loras:
-                skipped.append(seq)  # its adapter needs a slot; later requests on resident adapters go on
+            if lid and lid == self._draining:
+                skipped.append(seq)
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_allocate(seq, n):
@@ -122,4 +144,31 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+        self._guard_starvation(blocked_by_slots, adapters)
         return batch
+
+    def _adapter_admissible(self, lid: int, running_adapters: set[int]) -> bool:
+        if self.adapters is None or lid in running_adapters:
+            return True
+        held = running_adapters | self.adapters.pinned_resident()
+        if len(held) >= self.adapters.max_loras and lid not in held:
+            return False
+        return self.adapters.activate(lid, running_adapters)
+
+    def _guard_starvation(self, blocked: Sequence | None, running_adapters: set[int]) -> None:
+        """Bounded wait for a request whose adapter finds every slot held: drain one slot for it."""
+        if blocked is None or blocked.status != SequenceStatus.WAITING:
+            self._starved, self._starved_steps, self._draining = None, 0, None
+            return
+        if blocked is not self._starved:
+            self._starved, self._starved_steps, self._draining = blocked, 0, None
+        self._starved_steps += 1
+        if self._draining is None and self._starved_steps > self.max_adapter_wait_steps and running_adapters:
+            pinned = self.adapters.pinned_resident() if self.adapters else set()
+            counts = {a: 0 for a in running_adapters - pinned}
+            for s in self.running:
+                if s.lora_int_id in counts:
+                    counts[s.lora_int_id] += 1
+            if counts:
+                self._draining = min(counts, key=counts.get)
+                self.num_drains += 1

@@ -5,14 +5,23 @@ LRU) -> device slots (``max_loras``, LRU among adapters not needed by the curren
 Verbs come in pairs: ``add_adapter / remove_adapter``, ``acquire / release`` (in-flight requests),
 ``pin / unpin``; ``prepare_mapping`` makes every adapter of a batch resident and builds its mapping.
 
+Loading never blocks the step loop: a cold adapter (registered, not in the host cache) is parsed on
+a worker thread; the scheduler's ``activate`` returns False until it is there, so its requests wait
+while others run. Host->device slot writes go on a side CUDA stream (the forward waits on its event);
+on the CPU they are plain copies. Host copies live in pinned memory on CUDA.
+
 Removing an adapter while requests use it: those requests finish on the weights they started with;
 the slot and host copy are freed when the last one ends; new requests get ``UnknownAdapterError``.
+Re-adding a removed id before its last request ended is refused (use a new id): an id is one set of
+weights.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +81,11 @@ class LoRAManager:
         self._refs: Counter[int] = Counter()
         self._pinned: set[int] = set()
         self._removed: dict[int, PackedAdapter] = {}  # removed while in use: kept until released
+        self._loading: dict[int, Future] = {}  # disk -> host parses in flight
+        self._load_errors: dict[int, Exception] = {}
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._slot_ready: dict[int, object] = {}  # slot -> CUDA event of its last write
         self.stats: Counter[str] = Counter()
 
     # ---- wrapping -------------------------------------------------------------------------------
@@ -97,7 +111,19 @@ class LoRAManager:
     # ---- registration ---------------------------------------------------------------------------
     def add_adapter(self, req: LoRARequest) -> bool:
         """Register (parse + validate now). False if this id is already registered with the same path."""
+        if req.lora_int_id in self._removed:
+            raise LoRAFormatError(
+                f"lora_int_id {req.lora_int_id} was removed but {self._refs[req.lora_int_id]} request(s) still use "
+                f"its old weights; register the new weights under a new lora_int_id"
+            )
         old = self._registered.get(req.lora_int_id)
+        if not req.lora_path:  # a reference by id to an adapter registered earlier
+            if old is None:
+                raise UnknownAdapterError(
+                    f"unknown adapter {req.lora_name!r} (id {req.lora_int_id}): it was removed or never added; "
+                    f"add it with add_lora(LoRARequest(name, id, path))"
+                )
+            return False
         if old is not None:
             if old.lora_path == req.lora_path and old.lora_name == req.lora_name:
                 return False
@@ -133,9 +159,18 @@ class LoRAManager:
         return self._registered[lora_int_id]
 
     def pin(self, lora_int_id: int) -> bool:
+        """Keep this adapter in the host cache and, once loaded, in its device slot."""
         self.get_request(lora_int_id)
+        if lora_int_id not in self._pinned and len(self._pinned) >= self.max_loras - 1:
+            raise LoRAFormatError(
+                f"cannot pin adapter {lora_int_id}: {len(self._pinned)} of max_loras={self.max_loras} slots are "
+                f"pinned and one must stay free; unpin one or raise --max-loras"
+            )
         self._pinned.add(lora_int_id)
         return True
+
+    def pinned_resident(self) -> set[int]:
+        return {i for i in self._pinned if i in self._slot_lru}
 
     def unpin(self, lora_int_id: int) -> bool:
         self._pinned.discard(lora_int_id)
@@ -169,16 +204,72 @@ class LoRAManager:
             del self._host[victim]
             self.stats["host_evictions"] += 1
 
-    def _host_get(self, lid: int) -> PackedAdapter:
+    def _host_lookup(self, lid: int) -> PackedAdapter | None:
+        """The host copy if present; otherwise start (or collect) the background parse and return None."""
         if lid in self._removed:
             return self._removed[lid]
         if lid in self._host:
             self._host.move_to_end(lid)
             return self._host[lid]
-        packed = self._pack(self.get_request(lid))  # disk tier: parse again
+        fut = self._loading.get(lid)
+        if fut is None:
+            req = self.get_request(lid)
+            self._loading[lid] = self._loader.submit(self._pack, req)
+            return None
+        if not fut.done():
+            return None
+        del self._loading[lid]
+        try:
+            packed = fut.result()
+        except Exception as e:  # the files changed on disk since registration
+            logger.error("reloading adapter %d failed: %s", lid, e)
+            self._load_errors[lid] = e
+            return None
+        if lid not in self._registered:  # removed while loading
+            return None
         self.stats["disk_loads"] += 1
         self._host_put(lid, packed)
         return packed
+
+    def take_load_errors(self) -> dict[int, Exception]:
+        """Failed background reloads (reported once, so the engine can fail their requests)."""
+        errors, self._load_errors = self._load_errors, {}
+        return errors
+
+    def wait_for_loads(self, timeout: float = 0.05) -> None:
+        """Block briefly on an in-flight parse (used only when nothing else can run)."""
+        for fut in list(self._loading.values()):
+            try:
+                fut.exception(timeout=timeout)
+            except Exception:
+                pass
+            return
+
+    def _host_get(self, lid: int) -> PackedAdapter:
+        """The host copy, parsing synchronously if needed (only for paths off the step loop)."""
+        packed = self._host_lookup(lid)
+        if packed is None:
+            fut = self._loading.get(lid)
+            if fut is not None:
+                fut.exception()
+            packed = self._host_lookup(lid)
+        if packed is None:
+            err = self._load_errors.pop(lid, None)
+            raise err or UnknownAdapterError(f"unknown adapter id {lid}")
+        return packed
+
+    def activate(self, lid: int, protected: set[int]) -> bool:
+        """Scheduler hook: True once ``lid`` holds a slot (evicting none of ``protected``); False = wait."""
+        if lid in self._slot_lru:
+            self._slot_lru.move_to_end(lid)
+            return True
+        if None not in self._slot_ids and self._evictable(protected) is None:
+            return False
+        packed = self._host_lookup(lid)
+        if packed is None:
+            return False
+        self._write_slot(lid, packed, protected)
+        return True
 
     def _free_slot(self, lid: int) -> None:
         if lid in self._slot_lru:
@@ -191,31 +282,42 @@ class LoRAManager:
     def slot_of(self, lid: int) -> int | None:
         return self._slot_ids.index(lid) if lid in self._slot_lru else None
 
-    def _ensure_slot(self, lid: int, protected: set[int]) -> int:
-        if lid in self._slot_lru:
-            self._slot_lru.move_to_end(lid)
-            return self._slot_ids.index(lid)
+    def _evictable(self, protected: set[int]) -> int | None:
+        """LRU resident adapter that no running request uses and that is not pinned."""
+        return next((i for i in self._slot_lru if i not in protected and i not in self._pinned), None)
+
+    def _write_slot(self, lid: int, packed: PackedAdapter, protected: set[int]) -> int:
         if None in self._slot_ids:
             slot = self._slot_ids.index(None)
         else:
-            order = sorted(self._slot_lru, key=lambda i: i in self._pinned)  # unpinned first, LRU within
-            victim = next((i for i in order if i not in protected), None)
+            victim = self._evictable(protected)
             if victim is None:
                 raise RuntimeError(f"a batch needs more than max_loras={self.max_loras} adapters")
             slot = self._slot_ids.index(victim)
             del self._slot_lru[victim]
             self.stats["slot_evictions"] += 1
-        packed = self._host_get(lid)
-        for path, m in self.modules.items():
-            pieces = packed.per_module.get(path)
-            if pieces is None:
-                m.reset_lora(slot)
-            else:
-                m.set_lora(slot, [p and p[0] for p in pieces], [p and p[1] for p in pieces])
+        stream = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else nullcontext()
+        with stream:
+            for path, m in self.modules.items():
+                pieces = packed.per_module.get(path)
+                if pieces is None:
+                    m.reset_lora(slot)
+                else:
+                    m.set_lora(slot, [p and p[0] for p in pieces], [p and p[1] for p in pieces])
+        if self._copy_stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(self._copy_stream)
+            self._slot_ready[slot] = ev
         self._slot_ids[slot] = lid
         self._slot_lru[lid] = None
         self.stats["slot_loads"] += 1
         return slot
+
+    def _ensure_slot(self, lid: int, protected: set[int]) -> int:
+        if lid in self._slot_lru:
+            self._slot_lru.move_to_end(lid)
+            return self._slot_ids.index(lid)
+        return self._write_slot(lid, self._host_get(lid), protected)
 
     def prepare_mapping(self, token_lora_ids: list[int], logit_lora_ids: list[int]) -> LoRAMapping | None:
         """Make the batch's adapters resident; map lora_int_id (0 = base) to slots (-1 = base)."""
@@ -224,6 +326,10 @@ class LoRAManager:
         if not needed:
             return None
         slots = {lid: self._ensure_slot(lid, needed) for lid in needed}
+        for slot in slots.values():
+            ev = self._slot_ready.pop(slot, None)
+            if ev is not None:  # the forward waits for the side-stream copy on the GPU, not the CPU
+                torch.cuda.current_stream(self.device).wait_event(ev)
         slots[0] = -1
         return LoRAMapping.build([slots[i] for i in token_lora_ids], [slots[i] for i in logit_lora_ids], self.device)
 
@@ -238,6 +344,9 @@ class LoRAManager:
     # ---- packing and validation -----------------------------------------------------------------
     def _pack(self, req: LoRARequest) -> PackedAdapter:
         adapter = load_adapter(req.lora_path, req.lora_name, self.config.max_lora_rank, self.config.resolved_dtype())
+        if self.device.type == "cuda":  # pinned host memory: the slot copies run async on the side stream
+            for w in adapter.modules.values():
+                w.lora_a, w.lora_b = w.lora_a.pin_memory(), w.lora_b.pin_memory()
         if adapter.nbytes > self.config.max_adapter_bytes:
             raise LoRAShapeError(
                 f"adapter {req.lora_name!r} ({req.lora_path}) is {adapter.nbytes} bytes > the limit "

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class LoRARequest:
     lora_name: str
     lora_int_id: int  # > 0; the identity of these weights (a reload with new weights needs a new id)
-    lora_path: str = ""
+    lora_path: str = ""  # "" = refer to an adapter already registered under this id
 
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:

@@ -55,8 +55,8 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             if a is None:
                 continue
             r = a.shape[0]
-            self.lora_a_stacked[i][index, 0, :r].copy_(a)
-            self.lora_b_stacked[i][index, 0, :, :r].copy_(b)
+            self.lora_a_stacked[i][index, 0, :r].copy_(a, non_blocking=True)
+            self.lora_b_stacked[i][index, 0, :, :r].copy_(b, non_blocking=True)
             rank = max(rank, r)
         self.slot_ranks[index] = rank
 

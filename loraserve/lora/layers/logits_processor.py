@@ -46,8 +46,8 @@ class LogitsProcessorWithLoRA(BaseLayerWithLoRA):
         if a is None:
             return
         r = a.shape[0]
-        self.lora_a_stacked[index, 0, :r].copy_(a)
-        self.lora_b_stacked[index, 0, :, :r].copy_(b)
+        self.lora_a_stacked[index, 0, :r].copy_(a, non_blocking=True)
+        self.lora_b_stacked[index, 0, :, :r].copy_(b, non_blocking=True)
         self.slot_ranks[index] = r
 
     def forward(self, lm_head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:

@@ -43,8 +43,8 @@ class VocabParallelEmbeddingWithLoRA(BaseLayerWithLoRA):
         if a is None:
             return
         r = a.shape[0]
-        self.lora_a_stacked[index, :, :r].copy_(a.t())
-        self.lora_b_stacked[index, 0, :, :r].copy_(b)
+        self.lora_a_stacked[index, :, :r].copy_(a.t(), non_blocking=True)
+        self.lora_b_stacked[index, 0, :, :r].copy_(b, non_blocking=True)
         self.slot_ranks[index] = r
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
