@@ -393,6 +393,28 @@ def lm_loss(peft_model, ids, att, lab):
     return torch.nn.functional.cross_entropy(logits, tgt[keep])
 
 
+def tidy(out_dir: str) -> None:
+    """Keep only adapter_config.json + adapter_model.safetensors, deterministic and world-readable."""
+    card = os.path.join(out_dir, "README.md")  # PEFT's boilerplate model card
+    if os.path.exists(card):
+        os.remove(card)
+    cfg_path = os.path.join(out_dir, "adapter_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["target_modules"] = sorted(cfg["target_modules"])  # PEFT stores a set: order varies per process
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    # NOTE: stored in fp16 to keep the repo small (~5 MB per adapter); PEFT and loraserve both upcast
+    # adapter weights to fp32 when loading, so served outputs use the same fp32 values either way.
+    from safetensors.torch import load_file, save_file
+
+    st = os.path.join(out_dir, "adapter_model.safetensors")
+    save_file({k: v.half().contiguous() for k, v in load_file(st).items()}, st)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        os.chmod(os.path.join(out_dir, name), 0o644)
+
+
 def train_one(model, tok, style: str, out_dir: str, steps: int, batch: int, lr: float, seed: int):
     from peft import LoraConfig, get_peft_model
 
@@ -426,6 +448,7 @@ def train_one(model, tok, style: str, out_dir: str, steps: int, batch: int, lr: 
     pm.peft_config["default"].revision = None
     os.makedirs(out_dir, exist_ok=True)
     pm.save_pretrained(out_dir, safe_serialization=True, save_embedding_layers=False)
+    tidy(out_dir)
     dt = time.time() - t0
     print(f"[{style}] saved to {out_dir} in {dt:.0f}s", flush=True)
     model = pm.unload()  # strip the LoRA layers so the next adapter starts from the clean base
@@ -459,7 +482,7 @@ def check(out: str, names, questions=HELD_OUT) -> dict:
     for i, q in enumerate(questions):
         print(f"\nQ: {q}")
         for k, v in results.items():
-            print(f"  [{k}] {v}")
+            print(f"  [{k}] {v[i]}")
     return results
 
 

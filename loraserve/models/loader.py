@@ -70,6 +70,11 @@ def convert_gguf(gguf: Path, env: Env) -> Path:
     tmp.mkdir(parents=True)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # NOTE: transformers 5 tags a GGUF-loaded model as quantized and refuses save_pretrained, even
+    # when (as here) every weight was dequantized into a dense tensor; save it as a plain checkpoint.
+    if not any(type(m).__name__.startswith("Gguf") for m in model.modules()):
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
     del model
