@@ -358,6 +358,10 @@ class LoRAManager:
         for path, t in self.targets.items():
             wrapper = self.modules[path]
             shapes = wrapper.expected_shapes()
+            if len(shapes) != len(t.pieces):
+                raise LoRAUnknownModuleError(
+                    f"internal mapping error at {path}: {len(t.pieces)} adapter pieces for {len(shapes)} slices"
+                )
             slices: list = []
             for i, piece in enumerate(t.pieces):
                 w = adapter.modules.get(piece) if piece is not None else None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from loraserve.layers.linear import LinearBase
+from loraserve.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from loraserve.layers.vocab import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
 from loraserve.models.interfaces import SupportsLoRA
 
@@ -49,7 +49,14 @@ def find_lora_targets(model: nn.Module, lora_target_modules: list[str] | None) -
         if adapter_name is None:
             continue
         parent, _, last = adapter_name.rpartition(".")
-        packed = packed_map.get(path.rpartition(".")[2], [last])
+        packed = [last]
+        if isinstance(module, (MergedColumnParallelLinear, QKVParallelLinear)):
+            # packing rules apply only to packed layers whose slice count matches, so an unpacked
+            # namesake in another stack (a tower's fused qkv_proj) keeps its own name
+            pieces_rule = packed_map.get(path.rpartition(".")[2])
+            n_out = 3 if isinstance(module, QKVParallelLinear) else len(module.output_sizes)
+            if pieces_rule is not None and len(pieces_rule) == n_out:
+                packed = pieces_rule
         pieces: list[str | None] = [f"{parent}.{p}" if parent else p for p in packed]
         if lora_target_modules:
             restricted.update(p for p in pieces if not matches_target(p, lora_target_modules))

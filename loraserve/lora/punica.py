@@ -5,10 +5,12 @@ per-token slot (-1 = base), tokens sorted by slot as segments, the same for the 
 ``PunicaWrapper`` is what layers call (``add_lora_linear`` / ``add_lora_embedding`` /
 ``add_lora_logits``); it reads the current mapping from the context and dispatches to the backend
 ops, chosen once at construction (torch reference on CPU, Triton kernels on CUDA when available).
+On CUDA the mapping also carries ``SegmentMeta``: the same segments as one int32 device tensor.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -17,20 +19,49 @@ from loraserve.forward_context import current_lora_mapping
 from loraserve.lora.ops import torch_ops
 
 
-def _segments(slots: torch.Tensor) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor, list[int], list[int]]:
-    """slots (T,) -> (segments [(slot, indices)], order, starts, lens) over tokens sorted by slot (>= 0 only)."""
-    order = torch.argsort(slots, stable=True)
-    sorted_slots = slots[order]
-    uniq, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
-    segs, starts, lens = [], [], []
+def _segments(
+    slots: torch.Tensor, device: torch.device
+) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor, list[int], list[int], list[int]]:
+    """slots (T,) on the CPU -> (segments [(slot, indices on device)], order on device, starts, lens, seg_slots)
+    over tokens sorted by slot (>= 0 only).
+
+    NOTE: computed on the host from the host copy: no device round trip (the GPU never syncs here).
+    """
+    order_cpu = torch.argsort(slots, stable=True)
+    uniq, counts = torch.unique_consecutive(slots[order_cpu], return_counts=True)
+    order = order_cpu.to(device)
+    segs, starts, lens, seg_slots = [], [], [], []
     pos = 0
     for s, c in zip(uniq.tolist(), counts.tolist()):
         if s >= 0:
             segs.append((s, order[pos : pos + c]))
             starts.append(pos)
             lens.append(c)
+            seg_slots.append(s)
         pos += c
-    return segs, order, starts, lens
+    return segs, order, starts, lens, seg_slots
+
+
+@dataclass
+class SegmentMeta:
+    """The segments as one int32 device tensor, for the GPU kernels (one host->device copy per mapping).
+
+    ``packed`` = [order (T,) | seg_slot (S,) | seg_start (S,) | seg_len (S,)]. A static meta (CUDA
+    graphs) has S = max_loras and unused segments of length 0, which the kernels skip.
+    """
+
+    packed: torch.Tensor
+    num_tokens: int
+    num_segs: int
+    max_seg_len: int
+    static: bool = False
+
+    @classmethod
+    def build(
+        cls, order: torch.Tensor, seg_slots: list[int], starts: list[int], lens: list[int], device: torch.device
+    ) -> SegmentMeta:
+        host = torch.tensor(order.tolist() + seg_slots + starts + lens, dtype=torch.int32)
+        return cls(host.to(device), len(order), len(seg_slots), max(lens, default=0))
 
 
 @dataclass
@@ -42,14 +73,20 @@ class LoRAMapping:
     token_order: torch.Tensor  # (T,) token indices sorted by slot
     seg_starts: list[int]
     seg_lens: list[int]
+    token_meta: SegmentMeta | None = None  # the kernels' view (CUDA only)
+    logit_meta: SegmentMeta | None = None
 
     @classmethod
     def build(cls, token_slots: list[int], logit_slots: list[int], device: torch.device) -> LoRAMapping:
-        ts = torch.tensor(token_slots, dtype=torch.long, device=device)
-        ls = torch.tensor(logit_slots, dtype=torch.long, device=device)
-        tseg, order, starts, lens = _segments(ts)
-        lseg, _, _, _ = _segments(ls)
-        return cls(ts, ls, tseg, lseg, order, starts, lens)
+        ts = torch.tensor(token_slots, dtype=torch.long)
+        ls = torch.tensor(logit_slots, dtype=torch.long)
+        tseg, order, starts, lens, tslots = _segments(ts, device)
+        lseg, lorder, lstarts, llens, lslots = _segments(ls, device)
+        tmeta = lmeta = None
+        if device.type == "cuda":
+            tmeta = SegmentMeta.build(order, tslots, starts, lens, device)
+            lmeta = SegmentMeta.build(lorder, lslots, lstarts, llens, device)
+        return cls(ts.to(device), ls.to(device), tseg, lseg, order, starts, lens, tmeta, lmeta)
 
     @property
     def has_lora(self) -> bool:
@@ -64,11 +101,22 @@ class LoRAMapping:
         return [s for s, _ in self.token_segments]
 
 
+def _select_backend(device: torch.device):
+    """torch reference ops on the CPU; the Triton kernels on CUDA when Triton is installed."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from loraserve.lora.ops.triton_ops import TritonLoRAOps  # NOTE: lazy: CPU installs have no triton
+
+        return TritonLoRAOps(device)
+    return None
+
+
 class PunicaWrapper:
     def __init__(self, max_loras: int, device: torch.device):
         self.max_loras = max_loras
         self.device = device
-        self.ops = torch_ops  # NOTE: GPU kernels plug in here, chosen once by device type
+        self.ops = torch_ops  # the reference, also used for what the kernels do not cover (embeddings)
+        self.kernels = _select_backend(device)  # chosen once, by device type
+        self.backend = "triton" if self.kernels is not None else "torch"
 
     @staticmethod
     def mapping() -> LoRAMapping | None:
@@ -91,13 +139,38 @@ class PunicaWrapper:
         segments: list | None = None,
     ) -> None:
         """y (T, sum(output_slices)) fp32 += per-slice B_i(A_i x) for each token's slot."""
-        segs = self.mapping().token_segments if segments is None else segments
+        mapping = self.mapping()
+        if self.kernels is not None and segments is None:
+            self.kernels.add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta)
+            return
+        segs = mapping.token_segments if segments is None else segments
         offset = 0
         for a, b, n in zip(lora_a_stacked, lora_b_stacked, output_slices):
             buf = torch.zeros(x.shape[0], a.shape[2], dtype=torch.float32, device=x.device)  # (T, R)
             self.ops.lora_shrink(x, a, segs, ranks, buf)
             self.ops.lora_expand(y, buf, b, segs, ranks, offset)
             offset += n
+
+    def apply_lora_linear(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        output_slices: tuple[int, ...],
+        ranks: list[int],
+    ) -> torch.Tensor:
+        """out + the per-token LoRA delta, accumulated in fp32 and rounded once to out's dtype.
+
+        The kernels add into ``out`` in place (fp32 add, one rounding per element: the same numbers
+        as the reference's ``(out.float() + delta).to(out.dtype)``, without two extra passes).
+        """
+        if self.kernels is not None:
+            self.kernels.add_lora_linear(out, x, lora_a_stacked, lora_b_stacked, ranks, self.mapping().token_meta)
+            return out
+        acc = out.float()
+        self.add_lora_linear(acc, x, lora_a_stacked, lora_b_stacked, output_slices, ranks)
+        return acc.to(out.dtype)
 
     def add_lora_embedding(
         self, y: torch.Tensor, ids: torch.Tensor, emb_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int]
@@ -108,4 +181,8 @@ class PunicaWrapper:
         self, y: torch.Tensor, h: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int]
     ) -> None:
         """y (R, V) fp32 += B(A h) for each logits row's slot."""
-        self.add_lora_linear(y, h, (lora_a,), (lora_b,), (lora_b.shape[2],), ranks, self.mapping().logit_segments)
+        mapping = self.mapping()
+        if self.kernels is not None:
+            self.kernels.add_lora_linear(y, h, (lora_a,), (lora_b,), ranks, mapping.logit_meta)
+            return
+        self.add_lora_linear(y, h, (lora_a,), (lora_b,), (lora_b.shape[2],), ranks, mapping.logit_segments)

@@ -26,6 +26,14 @@ class ColumnParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
         self.full_shapes = [(base_layer.input_size, base_layer.output_size)]
 
     def slice_lora_b(self, lora_b):
+        base = self.base_layer
+        if isinstance(base, MergedColumnParallelLinear) and len(lora_b) == 1 and lora_b[0] is not None:
+            # one LoRA on a packed layer (a fused gate_up checkpoint): rank i holds [gate_i; up_i]
+            parts, offset = [], 0
+            for full, local in zip(base.output_sizes, base.output_partition_sizes):
+                parts.append(lora_b[0].narrow(0, offset + self.tp_rank * local, local))
+                offset += full
+            return [torch.cat(parts, dim=0)]
         out = []
         for b, n in zip(lora_b, self.output_slices):
             out.append(None if b is None else b.narrow(0, self.tp_rank * n, n))
@@ -54,7 +62,11 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
 
     @classmethod
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None) -> bool:
-        return type(source_layer) is MergedColumnParallelLinear and len(packed_modules_list) == cls.n_packed
+        return (
+            type(source_layer) is MergedColumnParallelLinear
+            and len(packed_modules_list) == cls.n_packed
+            and len(source_layer.output_sizes) == cls.n_packed
+        )
 
 
 class MergedColumnParallelLinearVariableSliceWithLoRA(MergedColumnParallelLinearWithLoRA):

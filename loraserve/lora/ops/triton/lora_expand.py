@@ -1,0 +1,178 @@
+"""LoRA expand on the GPU: y[t, off_i + n] += sum_r buf[t, i, r] * B_i[slot(t), n, r], for 1-3 slices at once.
+
+A program owns one BLOCK_N tile of one slice's outputs x one block of tokens of one segment. It sums
+the shrink's split-K partials while loading them, rounds them to B's dtype (as the torch reference
+and PEFT do before the second matmul), multiplies in fp32, and adds into ``y``:
+
+- ``y`` fp32: the accumulator the layer rounds later.
+- ``y`` bf16/fp16 (the layer's own output): the add runs in fp32 and each element is rounded once,
+  which equals ``(y.float() + delta).to(y.dtype)`` without the two extra passes over y.
+
+Each output element belongs to exactly one token, hence one slot and one program: no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
+from loraserve.lora.punica import SegmentMeta
+
+
+@triton.jit(do_not_specialize=["T", "S", "N0", "N1", "N2", "tiles0", "tiles01", "y_offset"])
+def _lora_expand_kernel(
+    buf_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    y_ptr,
+    meta_ptr,  # int32: order (T,), seg_slot (S,), seg_start (S,), seg_len (S,)
+    rank_ptr,  # int32 (max_loras,)
+    T,
+    S,
+    N0,
+    N1,
+    N2,
+    tiles0,
+    tiles01,
+    y_offset,
+    stride_bsp,
+    stride_bi,
+    stride_bm,
+    stride_ws0,
+    stride_ws1,
+    stride_ws2,
+    stride_wn,
+    stride_wr,
+    stride_ym,
+    stride_yn,
+    NUM_SLICES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    WDT: tl.constexpr,
+    CDT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    seg = tl.program_id(2)
+
+    slot = tl.load(meta_ptr + T + seg)
+    seg_start = tl.load(meta_ptr + T + S + seg)
+    seg_len = tl.load(meta_ptr + T + 2 * S + seg)
+    rank = tl.load(rank_ptr + slot)
+    m0 = pid_m * BLOCK_M
+    if (rank == 0) | (m0 >= seg_len):
+        return
+
+    if NUM_SLICES == 1:
+        w_ptr = b0_ptr
+        stride_ws = stride_ws0
+        sl = pid_n * 0
+        n_tile = pid_n
+        n_size = pid_n * 0 + N0
+        col0 = pid_n * 0 + y_offset
+    else:
+        if pid_n < tiles0:
+            w_ptr = b0_ptr
+            stride_ws = stride_ws0
+            sl = pid_n * 0
+            n_tile = pid_n
+            n_size = pid_n * 0 + N0
+            col0 = pid_n * 0 + y_offset
+        elif pid_n < tiles01:
+            w_ptr = b1_ptr
+            stride_ws = stride_ws1
+            sl = pid_n * 0 + 1
+            n_tile = pid_n - tiles0
+            n_size = pid_n * 0 + N1
+            col0 = pid_n * 0 + y_offset + N0
+        else:
+            w_ptr = b2_ptr
+            stride_ws = stride_ws2
+            sl = pid_n * 0 + 2
+            n_tile = pid_n - tiles01
+            n_size = pid_n * 0 + N2
+            col0 = pid_n * 0 + y_offset + N0 + N1
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    tok = tl.load(meta_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)  # (BLOCK_M,)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_size
+
+    # (BLOCK_M, BLOCK_R): the shrink's partials, summed in fp32, then rounded to B's dtype
+    h_ptrs = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
+    h_mask = m_mask[:, None] & r_mask[None, :]
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for sp in range(SPLIT_K):
+        h += tl.load(h_ptrs + sp * stride_bsp, mask=h_mask, other=0.0)
+    h = h.to(WDT).to(CDT)
+
+    w = tl.load(
+        w_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wn + offs_r[:, None] * stride_wr,
+        mask=r_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_R, BLOCK_N)
+    if IEEE:
+        delta = tl.dot(h, w.to(CDT), input_precision="ieee")
+    else:
+        delta = tl.dot(h, w.to(CDT))
+    y_ptrs = y_ptr + tok[:, None] * stride_ym + (col0 + offs_n)[None, :] * stride_yn
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    yv = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (yv + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def lora_expand(
+    y: torch.Tensor,
+    buf: torch.Tensor,
+    lora_b: tuple[torch.Tensor, ...],
+    meta: SegmentMeta,
+    ranks: torch.Tensor,
+    offset: int = 0,
+) -> None:
+    """y (T, N) += per-slice B_i(buf_i) at columns offset + sum(N_<i); buf from ``lora_shrink``."""
+    n = len(lora_b)
+    assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
+    assert y.dim() == 2 and y.is_cuda, f"y must be a 2-D CUDA tensor, got {tuple(y.shape)} on {y.device}"
+    T = y.shape[0]
+    split, n_buf, T_buf, R = buf.shape
+    assert buf.dtype == torch.float32 and n_buf == n and T_buf == T, f"buf {tuple(buf.shape)} does not fit"
+    assert buf.stride(3) == 1
+    b0 = lora_b[0]
+    assert b0.dim() == 4 and b0.shape[1] == 1 and b0.shape[3] == R, f"B {tuple(b0.shape)} does not fit rank {R}"
+    for b in lora_b:
+        assert b.dtype == b0.dtype and b.shape[0] == b0.shape[0] and b.shape[3] == R, "slices differ"
+        assert b.stride()[1:] == (b.shape[2] * R, R, 1) and b.device == y.device, "B must be contiguous (out, R) per slot"
+    sizes = [b.shape[2] for b in lora_b] + [0] * (3 - n)
+    assert offset + sum(sizes) <= y.shape[1], f"slices {sizes[:n]} at offset {offset} overflow y {tuple(y.shape)}"
+    assert ranks.dtype == torch.int32 and ranks.numel() == b0.shape[0], "ranks: int32, one per slot"
+    assert meta.num_tokens == T
+    if meta.num_segs == 0 or T == 0:
+        return
+    longest = meta.max_seg_len
+    block_m = 16 if longest <= 16 else (32 if longest <= 32 else 64)
+    block_n = 128 if block_m <= 32 else 64
+    block_r = max(16, triton.next_power_of_2(R))
+    tiles = [triton.cdiv(s, block_n) for s in sizes]
+    cdt = compute_dtype_of(buf.dtype if b0.dtype == torch.float32 else b0.dtype, b0.dtype)
+    b1 = lora_b[1] if n > 1 else b0
+    b2 = lora_b[2] if n > 2 else b0
+    grid = (sum(tiles), triton.cdiv(longest, block_m), meta.num_segs)
+    _lora_expand_kernel[grid](
+        buf, b0, b1, b2, y, meta.packed, ranks,
+        T, meta.num_segs, sizes[0], sizes[1], sizes[2], tiles[0], tiles[0] + tiles[1], offset,
+        buf.stride(0), buf.stride(1), buf.stride(2),
+        b0.stride(0), b1.stride(0), b2.stride(0), R, 1,
+        y.stride(0), y.stride(1),
+        NUM_SLICES=n, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        WDT=tl_dtype(b0.dtype), CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
+        num_warps=4,
+    )  # fmt: skip

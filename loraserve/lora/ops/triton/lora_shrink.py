@@ -1,0 +1,161 @@
+"""LoRA shrink on the GPU: buf[split, i, t, :r] = x[t] @ A_i[slot(t), :r]^T (partial over a K split).
+
+One launch for all 1-3 slices of a layer. Tokens arrive sorted by slot (``SegmentMeta``); a program
+owns (split of K, rank block, slice) x (block of tokens of one segment). The grid's rank axis covers
+max_lora_rank, and a program whose rank block starts at or past its slot's own rank returns at once,
+so work and bytes follow each adapter's rank, not max_lora_rank.
+
+NOTE: split-K partials are written to their own plane of ``buf`` (no atomics), and the expand kernel
+sums them while loading: the result is deterministic and ``buf`` needs no zeroing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
+from loraserve.lora.punica import SegmentMeta
+
+
+@triton.jit(do_not_specialize=["T", "S", "K", "k_per_split"])
+def _lora_shrink_kernel(
+    x_ptr,
+    a0_ptr,
+    a1_ptr,
+    a2_ptr,
+    buf_ptr,
+    meta_ptr,  # int32: order (T,), seg_slot (S,), seg_start (S,), seg_len (S,)
+    rank_ptr,  # int32 (max_loras,): this layer's rank per slot
+    T,
+    S,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    stride_bsp,
+    stride_bi,
+    stride_bm,
+    NUM_SLICES: tl.constexpr,
+    NUM_RBLOCKS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CDT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    seg = tl.program_id(2)
+    split = pid0 % SPLIT_K
+    rblock = (pid0 // SPLIT_K) % NUM_RBLOCKS
+    sl = pid0 // (SPLIT_K * NUM_RBLOCKS)
+
+    slot = tl.load(meta_ptr + T + seg)
+    seg_start = tl.load(meta_ptr + T + S + seg)
+    seg_len = tl.load(meta_ptr + T + 2 * S + seg)
+    rank = tl.load(rank_ptr + slot)
+    r0 = rblock * BLOCK_R
+    m0 = pid_m * BLOCK_M
+    if (r0 >= rank) | (m0 >= seg_len):
+        return
+
+    if NUM_SLICES == 1:
+        a_ptr = a0_ptr
+    else:
+        if sl == 0:
+            a_ptr = a0_ptr
+        elif sl == 1:
+            a_ptr = a1_ptr
+        else:
+            a_ptr = a2_ptr
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    tok = tl.load(meta_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)  # (BLOCK_M,)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_k = tl.arange(0, BLOCK_K)
+    k_begin = split * k_per_split
+    x_row = x_ptr + tok[:, None] * stride_xm
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(k_begin, k_begin + k_per_split, BLOCK_K):
+        kk = k + offs_k
+        k_mask = kk < K
+        xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(xt.to(CDT), at.to(CDT), input_precision="ieee")
+        else:
+            acc += tl.dot(xt.to(CDT), at.to(CDT))
+    out = buf_ptr + split * stride_bsp + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
+    tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
+
+
+def _pick_blocks(meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, SPLIT_K): enough programs to fill the chip at decode sizes."""
+    longest = meta.max_seg_len
+    block_m = 16 if longest <= 16 else (32 if longest <= 32 else 64)
+    block_k = 128 if block_m <= 32 else 64
+    programs = n_slices * n_rblocks * triton.cdiv(longest, block_m) * meta.num_segs
+    split = 1
+    max_split = max(1, K // (4 * block_k))
+    while programs * split < 512 and split < max_split:
+        split *= 2
+    return block_m, block_k, split
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: tuple[torch.Tensor, ...],
+    meta: SegmentMeta,
+    ranks: torch.Tensor,
+    max_rank: int,
+    block_r: int = 16,
+) -> torch.Tensor:
+    """x (T, K) with lora_a[i] (S, 1, R, K) -> partial sums buf (SPLIT_K, n_slices, T, R) fp32.
+
+    Only rows of tokens with a slot and columns r < ranks[slot] are written; ``lora_expand`` reads
+    exactly those.
+    """
+    n = len(lora_a)
+    assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
+    assert x.dim() == 2 and x.is_cuda, f"x must be a 2-D CUDA tensor, got {tuple(x.shape)} on {x.device}"
+    T, K = x.shape
+    a0 = lora_a[0]
+    assert a0.dim() == 4 and a0.shape[1] == 1 and a0.shape[3] == K, f"A {tuple(a0.shape)} does not fit x (T, {K})"
+    for a in lora_a:
+        assert a.shape == a0.shape and a.stride() == a0.stride() and a.dtype == a0.dtype, "slices differ in layout"
+        assert a.device == x.device and a.stride(3) == 1, "A must be on x's device, contiguous along K"
+    assert ranks.dtype == torch.int32 and ranks.numel() == a0.shape[0], "ranks: int32, one per slot"
+    assert meta.num_tokens == T, f"mapping has {meta.num_tokens} tokens, x has {T}"
+    R = a0.shape[2]
+    assert max_rank <= R
+    n_rblocks = triton.cdiv(max(max_rank, 1), block_r)
+    block_m, block_k, split = _pick_blocks(meta, n, n_rblocks, K)
+    buf = torch.empty(split, n, T, R, dtype=torch.float32, device=x.device)
+    if meta.num_segs == 0 or T == 0:
+        return buf
+    k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    cdt = compute_dtype_of(x.dtype, a0.dtype)
+    a1 = lora_a[1] if n > 1 else a0
+    a2 = lora_a[2] if n > 2 else a0
+    grid = (split * n_rblocks * n, triton.cdiv(meta.max_seg_len, block_m), meta.num_segs)
+    _lora_shrink_kernel[grid](
+        x, a0, a1, a2, buf, meta.packed, ranks,
+        T, meta.num_segs, K, k_per_split,
+        x.stride(0), x.stride(1),
+        a0.stride(0), a0.stride(2), a0.stride(3),
+        buf.stride(0), buf.stride(1), buf.stride(2),
+        NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+        CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
+        num_warps=4,
+    )  # fmt: skip
+    return buf
