@@ -22,39 +22,25 @@ import logging
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
+from loraserve.distributed.parallel_state import get_tp_size
 from loraserve.lora.errors import (
     LoRAFormatError,
     LoRAShapeError,
-    LoRAUnknownModuleError,
-    LoRAUnsupportedFeatureError,
     UnknownAdapterError,
 )
 from loraserve.lora.layers import LORA_LAYER_CLASSES, BaseLayerWithLoRA, LogitsProcessorWithLoRA
-from loraserve.lora.mapping import LoRATarget, describe_unknown_module, find_lora_targets
-from loraserve.lora.peft import LoRAAdapter, load_adapter
+from loraserve.lora.mapping import LoRATarget, find_lora_targets
+from loraserve.lora.packing import PackedAdapter, pack_adapter
+from loraserve.lora.peft import load_adapter
 from loraserve.lora.punica import LoRAMapping, PunicaWrapper
 from loraserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PackedAdapter:
-    """An adapter laid out for our modules: module path -> per-slice (A, B) or None."""
-
-    request: LoRARequest
-    adapter: LoRAAdapter
-    per_module: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]
-
-    @property
-    def nbytes(self) -> int:
-        return self.adapter.nbytes
 
 
 def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -71,6 +57,7 @@ class LoRAManager:
         self.device = device
         self.max_loras = config.max_loras
         self.punica = PunicaWrapper(config.max_loras, device)
+        self._tp_size = get_tp_size()
         self.targets: dict[str, LoRATarget] = {}
         self.modules: dict[str, BaseLayerWithLoRA] = {}
         self._wrap_model()
@@ -282,6 +269,14 @@ class LoRAManager:
     def slot_of(self, lid: int) -> int | None:
         return self._slot_ids.index(lid) if lid in self._slot_lru else None
 
+    def slot_requests(self) -> list[LoRARequest | None]:
+        """Per device slot, the adapter it holds (None = empty): what tensor-parallel workers mirror."""
+        out: list[LoRARequest | None] = []
+        for lid in self._slot_ids:
+            removed = self._removed.get(lid) if lid is not None else None
+            out.append(None if lid is None else self._registered.get(lid) or (removed and removed.request))
+        return out
+
     def _evictable(self, protected: set[int]) -> int | None:
         """LRU resident adapter that no running request uses and that is not pinned."""
         return next((i for i in self._slot_lru if i not in protected and i not in self._pinned), None)
@@ -298,12 +293,13 @@ class LoRAManager:
             self.stats["slot_evictions"] += 1
         stream = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else nullcontext()
         with stream:
+            lm_head = getattr(getattr(self.model, "lm_head", None), "weight", None)
             for path, m in self.modules.items():
-                pieces = packed.per_module.get(path)
-                if pieces is None:
+                pack = packed.per_module.get(path)
+                if pack is None:
                     m.reset_lora(slot)
                 else:
-                    m.set_lora(slot, [p and p[0] for p in pieces], [p and p[1] for p in pieces])
+                    pack.write(m, slot, lm_head)
         if self._copy_stream is not None:
             ev = torch.cuda.Event()
             ev.record(self._copy_stream)
@@ -344,76 +340,14 @@ class LoRAManager:
     # ---- packing and validation -----------------------------------------------------------------
     def _pack(self, req: LoRARequest) -> PackedAdapter:
         adapter = load_adapter(req.lora_path, req.lora_name, self.config.max_lora_rank, self.config.resolved_dtype())
-        if self.device.type == "cuda":  # pinned host memory: the slot copies run async on the side stream
-            for w in adapter.modules.values():
-                w.lora_a, w.lora_b = w.lora_a.pin_memory(), w.lora_b.pin_memory()
         if adapter.nbytes > self.config.max_adapter_bytes:
             raise LoRAShapeError(
                 f"adapter {req.lora_name!r} ({req.lora_path}) is {adapter.nbytes} bytes > the limit "
                 f"{self.config.max_adapter_bytes}; raise max_adapter_bytes"
             )
-        self._check_base_copies(adapter)
-        per_module: dict[str, list] = {}
-        consumed: set[str] = set()
-        for path, t in self.targets.items():
-            wrapper = self.modules[path]
-            shapes = wrapper.expected_shapes()
-            if len(shapes) != len(t.pieces):
-                raise LoRAUnknownModuleError(
-                    f"internal mapping error at {path}: {len(t.pieces)} adapter pieces for {len(shapes)} slices"
-                )
-            slices: list = []
-            for i, piece in enumerate(t.pieces):
-                w = adapter.modules.get(piece) if piece is not None else None
-                if w is None:
-                    slices.append(None)
-                    continue
-                consumed.add(piece)
-                self._check_shape(req, piece, w, shapes[i], getattr(wrapper, "is_embedding", False))
-                slices.append((w.lora_a, w.lora_b))
-            if any(s is not None for s in slices):
-                per_module[path] = slices
-        unknown = sorted(set(adapter.modules) - consumed)
-        if unknown:
-            reasons = "; ".join(describe_unknown_module(self.model, n, self._restricted) for n in unknown[:3])
-            raise LoRAUnknownModuleError(
-                f"adapter {req.lora_name!r} ({req.lora_path}) targets {len(unknown)} module(s) this model "
-                f"cannot serve: {reasons}"
-            )
-        return PackedAdapter(req, adapter, per_module)
-
-    @staticmethod
-    def _check_shape(req: LoRARequest, name: str, w, shape: tuple[int, int], is_embedding: bool) -> None:
-        where = f"adapter {req.lora_name!r} ({req.lora_path}), module {name!r}"
-        if w.is_embedding != is_embedding:
-            kind = "an embedding" if is_embedding else "a linear layer"
-            raise LoRAShapeError(f"{where}: the base module is {kind} but the adapter has the other kind of LoRA")
-        a_cols, b_rows = shape
-        if w.lora_a.shape[1] != a_cols or w.lora_b.shape[0] != b_rows:
-            what = "vocab, hidden" if is_embedding else "in, out"
-            raise LoRAShapeError(
-                f"{where}: LoRA shapes A{tuple(w.lora_a.shape)} B{tuple(w.lora_b.shape)} do not fit the base "
-                f"module ({what}) = {shape}; was the adapter trained for another base model?"
-            )
-
-    def _check_base_copies(self, adapter: LoRAAdapter) -> None:
-        """Embedding copies saved with the adapter must equal the base (serving them differently is refused)."""
-        named = dict(self.model.named_modules())
-        for name, copy in adapter.base_weight_copies.items():
-            module = named.get(name)
-            base = getattr(module, "base_layer", module)
-            weight = getattr(base, "weight", None)
-            if weight is None:
-                raise LoRAUnknownModuleError(
-                    f"adapter {adapter.name!r} ({adapter.path}) saves a copy of {name!r}.weight, which the model lacks"
-                )
-            start = getattr(base, "vocab_start", 0)
-            n = getattr(base, "vocab_end", weight.shape[0]) - start
-            if copy.shape[1:] != weight.shape[1:] or copy.shape[0] < start + n or not torch.equal(
-                copy[start : start + n].to(device=weight.device, dtype=weight.dtype), weight[:n]
-            ):
-                raise LoRAUnsupportedFeatureError(
-                    f"adapter {adapter.name!r} ({adapter.path}) saves a {name}.base_layer.weight that differs from "
-                    f"the base model's (a resized or retrained embedding); serving modified embeddings is not "
-                    f"supported yet: use the base model it was trained on"
-                )
+        packed = pack_adapter(req, adapter, self.model, self.targets, self.modules, self._restricted, self._tp_size)
+        if self.device.type == "cuda":  # pinned host memory: the slot copies run async on the side stream
+            for mp in packed.per_module.values():
+                mp.a = [t if t is None else t.pin_memory() for t in mp.a]
+                mp.b = [t if t is None else t.pin_memory() for t in mp.b]
+        return packed

@@ -45,16 +45,29 @@ class LoRAModuleWeights:
     rank: int
     scaling: float
     is_embedding: bool = False
+    magnitude: torch.Tensor | None = None  # DoRA m: (out,) for linear, (H,) for embedding
+    lora_bias: torch.Tensor | None = None  # s * lora_B.bias, folded in fp32
 
 
 @dataclass
 class LoRAAdapter:
+    """A parsed adapter. Besides the LoRA pairs, what PEFT also loads over the base model:
+
+    - ``bias_replacements``: module -> bias (``bias="all"/"lora_only"``), replacing the base bias;
+    - ``weight_replacements``: module -> full weight (``modules_to_save`` copies of embed_tokens /
+      lm_head, and saved ``base_layer.weight`` embedding copies);
+    - ``trainable_tokens``: embedding module -> (token ids, replacement rows).
+    """
+
     name: str
     path: str
     config: dict
     modules: dict[str, LoRAModuleWeights]
-    # embedding copies saved beside the adapter (module name -> full weight); checked against the base
+    # embedding copies saved beside the adapter (module name -> full weight), compared with the base
     base_weight_copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    bias_replacements: dict[str, torch.Tensor] = field(default_factory=dict)
+    weight_replacements: dict[str, torch.Tensor] = field(default_factory=dict)
+    trainable_tokens: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -62,7 +75,10 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.lora_a.nbytes + m.lora_b.nbytes for m in self.modules.values())
+        n = sum(m.lora_a.nbytes + m.lora_b.nbytes for m in self.modules.values())
+        n += sum(t.nbytes for t in self.weight_replacements.values())
+        n += sum(t.nbytes for t in self.bias_replacements.values())
+        return n + sum(rows.nbytes for _, rows in self.trainable_tokens.values())
 
 
 def pattern_key(pattern: dict, name: str) -> str | None:
@@ -83,16 +99,12 @@ def check_supported(cfg: dict, path: Path) -> None:
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise _refuse(f, f"peft_type {peft_type!r}", "only LoRA adapters can be served")
-    if cfg.get("use_dora"):
-        raise _refuse(f, "DoRA (use_dora=true)", "merge the adapter into the base model, or serve a plain LoRA")
-    if cfg.get("modules_to_save"):
-        raise _refuse(f, f"modules_to_save={cfg['modules_to_save']}", "retrain without modules_to_save")
-    if cfg.get("bias", "none") != "none":
-        raise _refuse(f, f"bias={cfg['bias']!r}", "retrain with bias='none'")
-    if cfg.get("lora_bias"):
-        raise _refuse(f, "lora_bias (a bias on lora_B)", "retrain with lora_bias=false")
-    if cfg.get("trainable_token_indices"):
-        raise _refuse(f, "trainable_token_indices", "retrain without trainable tokens")
+    if cfg.get("bias", "none") not in ("none", "all", "lora_only"):
+        raise LoRAFormatError(f"adapter {f}: bias must be 'none', 'all' or 'lora_only', got {cfg['bias']!r}")
+    if cfg.get("use_dora") and cfg.get("lora_bias"):
+        raise LoRAFormatError(f"adapter {f}: use_dora and lora_bias cannot be combined (PEFT refuses it too)")
+    if cfg.get("fan_in_fan_out") and cfg.get("use_dora"):
+        raise _refuse(f, "DoRA with fan_in_fan_out (Conv1D bases)", "serve a model with nn.Linear layers")
     if cfg.get("target_parameters"):
         raise _refuse(f, f"target_parameters={cfg['target_parameters']}", "target modules, not raw parameters")
     init = cfg.get("init_lora_weights", True)
@@ -164,29 +176,45 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     raise LoRAFormatError(f"adapter {path}: neither {SAFETENSORS_NAME} nor {BIN_NAME} exists")
 
 
-def _split_key(key: str, f: Path) -> tuple[str, str]:
-    """'base_model.model.X.lora_A.weight' -> ('X', 'lora_A'). Refuses keys of unserved features by name."""
+_KEY_SUFFIXES = (
+    (".lora_A.weight", "lora_A"),
+    (".lora_B.weight", "lora_B"),
+    (".lora_B.bias", "lora_bias"),
+    (".lora_embedding_A", "lora_embedding_A"),
+    (".lora_embedding_B", "lora_embedding_B"),
+    (".lora_magnitude_vector", "magnitude"),
+    (".token_adapter.trainable_tokens_delta", "trainable_tokens"),
+    (".base_layer.weight", "base_layer.weight"),
+    (".base_layer.bias", "bias"),
+)
+
+
+def _split_key(key: str, f: Path, modules_to_save: list[str]) -> tuple[str, str]:
+    """'base_model.model.X.lora_A.weight' -> ('X', 'lora_A'); full-module keys of modules_to_save -> 'weight'/'bias'."""
     if not key.startswith(PREFIX):
         raise LoRAFormatError(f"adapter {f}: tensor key {key!r} lacks the {PREFIX!r} prefix PEFT writes")
     k = key[len(PREFIX) :]
-    for suffix, kind in (
-        (".lora_A.weight", "lora_A"),
-        (".lora_B.weight", "lora_B"),
-        (".lora_embedding_A", "lora_embedding_A"),
-        (".lora_embedding_B", "lora_embedding_B"),
-        (".base_layer.weight", "base_layer.weight"),
-    ):
+    for suffix, kind in _KEY_SUFFIXES:
         if k.endswith(suffix):
             return k[: -len(suffix)], kind
-    if k.endswith(".lora_B.bias"):
-        raise _refuse(f, f"lora_bias (tensor {key})", "retrain with lora_bias=false")
-    if "lora_magnitude_vector" in k:
-        raise _refuse(f, f"DoRA (tensor {key})", "serve a plain LoRA adapter")
-    if "trainable_tokens" in k:
-        raise _refuse(f, f"trainable tokens (tensor {key})", "retrain without trainable tokens")
-    if k.endswith(".bias"):
-        raise _refuse(f, f"trained biases (tensor {key})", "retrain with bias='none'")
+    for suffix, kind in ((".weight", "weight"), (".bias", "bias")):
+        if k.endswith(suffix):
+            module = k[: -len(suffix)]
+            if kind == "weight" and not any(module == m or module.endswith("." + m) for m in modules_to_save):
+                break
+            return module, kind  # a modules_to_save copy, or a bias saved with bias="all"
     raise LoRAFormatError(f"adapter {f}: unrecognized tensor key {key!r} (is this a PEFT LoRA adapter?)")
+
+
+def _trainable_token_ids(cfg: dict, module: str, f: Path) -> list[int]:
+    spec = cfg.get("trainable_token_indices")
+    if isinstance(spec, list):
+        return [int(i) for i in spec]
+    if isinstance(spec, dict):
+        for name, ids in spec.items():
+            if module == name or module.endswith("." + name):
+                return [int(i) for i in ids]
+    raise LoRAFormatError(f"adapter {f}: trainable tokens for {module!r} but trainable_token_indices does not name it")
 
 
 def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
@@ -200,14 +228,28 @@ def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype 
     if not tensors:
         raise LoRAFormatError(f"adapter {wfile}: holds no tensors")
 
+    mts = list(cfg.get("modules_to_save") or [])
     parts: dict[str, dict[str, torch.Tensor]] = {}
     copies: dict[str, torch.Tensor] = {}
+    biases: dict[str, torch.Tensor] = {}
+    replacements: dict[str, torch.Tensor] = {}
+    tokens: dict[str, tuple[list[int], torch.Tensor]] = {}
     for key, t in tensors.items():
-        module, kind = _split_key(key, wfile)
+        module, kind = _split_key(key, wfile, mts)
+        alias = _MODULE_ALIASES.get(module, module)
         if kind == "base_layer.weight":
-            copies[_MODULE_ALIASES.get(module, module)] = t
-            continue
-        parts.setdefault(module, {})[kind] = t
+            copies[alias] = t
+        elif kind == "weight":
+            replacements[alias] = t.float().to(dtype)
+        elif kind == "bias":
+            biases[alias] = t.float().to(dtype)
+        elif kind == "trainable_tokens":
+            ids = _trainable_token_ids(cfg, module, wfile)
+            if t.dim() != 2 or t.shape[0] != len(ids):
+                raise LoRAFormatError(f"adapter {wfile}: {key} has shape {tuple(t.shape)} for {len(ids)} token ids")
+            tokens[alias] = (ids, t.float().to(dtype))
+        else:
+            parts.setdefault(module, {})[kind] = t
 
     r_default, alpha_default = cfg.get("r", 8), cfg.get("lora_alpha", 8)
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
@@ -216,6 +258,10 @@ def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype 
     for module, p in parts.items():
         is_emb = "lora_embedding_A" in p or "lora_embedding_B" in p
         ka, kb = ("lora_embedding_A", "lora_embedding_B") if is_emb else ("lora_A", "lora_B")
+        if "magnitude" in p and not cfg.get("use_dora"):
+            raise LoRAFormatError(f"adapter {wfile}: module {module!r} has a DoRA magnitude but use_dora is false")
+        if cfg.get("use_dora") and ka in p and "magnitude" not in p:
+            raise LoRAFormatError(f"adapter {wfile}: use_dora is set but module {module!r} has no lora_magnitude_vector")
         if ka not in p or kb not in p:
             missing = ka if ka not in p else kb
             raise LoRAFormatError(f"adapter {wfile}: module {module!r} has no {missing} tensor; the file is incomplete")
@@ -245,7 +291,18 @@ def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype 
             rank=r,
             scaling=scaling,
             is_embedding=is_emb,
+            magnitude=p["magnitude"].float().to(dtype) if "magnitude" in p else None,
+            lora_bias=(p["lora_bias"].float() * scaling).to(dtype) if "lora_bias" in p else None,
         )
-    if not modules:
+    if not (modules or replacements or biases or tokens):
         raise LoRAFormatError(f"adapter {wfile}: holds no LoRA tensors")
-    return LoRAAdapter(name=name or path.name, path=str(path), config=cfg, modules=modules, base_weight_copies=copies)
+    return LoRAAdapter(
+        name=name or path.name,
+        path=str(path),
+        config=cfg,
+        modules=modules,
+        base_weight_copies=copies,
+        bias_replacements=biases,
+        weight_replacements=replacements,
+        trainable_tokens=tokens,
+    )

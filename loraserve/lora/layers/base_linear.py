@@ -1,4 +1,11 @@
-"""Shared machinery of the linear LoRA wrappers: n output slices, each with its own A and B."""
+"""Shared machinery of the linear LoRA wrappers: n output slices, each with its own A and B.
+
+Beside A and B a slot may carry PEFT's extras (``set_extras``), kept per slot in (max_loras + 1, out)
+fp32 tables whose last row is the identity, so indexing with a token's slot (-1 = base) picks it:
+- a bias delta: s * lora_B.bias, plus (replacement bias - base bias) for ``bias="all"/"lora_only"``;
+- DoRA: g = m / ||W + s*B*A||_row per output, computed once when the slot is written, and
+  y = out + (g - 1) * (out - b) + g * s*B(Ax)  ==  g * (Wx + s*BAx) + b.
+"""
 
 from __future__ import annotations
 
@@ -39,12 +46,81 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             torch.zeros(max_loras, 1, n, rank, dtype=dtype, device=dev) for n in self.output_slices
         )  # per slice (max_loras, 1, out, R)
         self.slot_ranks = [0] * max_loras
+        self.max_loras = max_loras
+        self.bias_delta: torch.Tensor | None = None  # (S + 1, out) fp32, allocated on first use
+        self.dora_scale: torch.Tensor | None = None  # (S + 1, out) fp32
+        self.slot_has_bias = [False] * max_loras
+        self.slot_has_dora = [False] * max_loras
 
     def reset_lora(self, index: int) -> None:
         for a, b in zip(self.lora_a_stacked, self.lora_b_stacked):
             a[index].zero_()
             b[index].zero_()
         self.slot_ranks[index] = 0
+        self.clear_extras(index)
+
+    def clear_extras(self, index: int) -> None:
+        if self.slot_has_bias[index]:
+            self.bias_delta[index].zero_()
+            self.slot_has_bias[index] = False
+        if self.slot_has_dora[index]:
+            self.dora_scale[index].fill_(1.0)
+            self.slot_has_dora[index] = False
+
+    def _table(self, fill: float) -> torch.Tensor:
+        out = sum(self.output_slices)
+        return torch.full((self.max_loras + 1, out), fill, dtype=torch.float32, device=self.base_layer.weight.device)
+
+    def _local_rows(self, full: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """This rank's share of per-output vectors, sliced as B's rows are."""
+        cols = self.slice_lora_b([None if v is None else v.reshape(-1, 1) for v in full])
+        return [None if v is None else v.reshape(-1) for v in cols]
+
+    def base_bias_slices(self) -> list[torch.Tensor | None]:
+        bias = self.base_layer.bias
+        if bias is None:
+            return [None] * self.n_slices
+        return list(bias.float().split(list(self.output_slices)))
+
+    def set_extras(
+        self,
+        index: int,
+        magnitudes: list[torch.Tensor | None],
+        lora_biases: list[torch.Tensor | None],
+        bias_replacements: list[torch.Tensor | None],
+    ) -> None:
+        """PEFT's extras for slot ``index`` (after set_lora), each per slice, full (unsharded) size."""
+        self.clear_extras(index)
+        mags = self._local_rows(magnitudes)
+        lbs = self._local_rows(lora_biases)
+        reps = self._local_rows(bias_replacements)
+        offsets = [sum(self.output_slices[:i]) for i in range(self.n_slices)]
+        for i, (m, lb, rep, base_b) in enumerate(zip(mags, lbs, reps, self.base_bias_slices())):
+            n, off = self.output_slices[i], offsets[i]
+            delta = None
+            if lb is not None:
+                delta = lb.float()
+            if rep is not None:
+                if base_b is None:
+                    raise ValueError("a replacement bias for a layer without a bias")
+                d = rep.float() - base_b
+                delta = d if delta is None else delta + d
+            if delta is not None:
+                if self.bias_delta is None:
+                    self.bias_delta = self._table(0.0)
+                self.bias_delta[index, off : off + n] = delta
+                self.slot_has_bias[index] = True
+            if m is not None:
+                r = self.slot_ranks[index]
+                a = self.lora_a_stacked[i][index, 0, :r].float()
+                b = self.lora_b_stacked[i][index, 0, :, :r].float()
+                w = self.base_layer.weight[off : off + n].float()
+                # NOTE: the norm of W + s*BA per output row, in fp32, once per adapter (PEFT recomputes it per call)
+                norm = torch.linalg.norm(w + b @ a, dim=1)
+                if self.dora_scale is None:
+                    self.dora_scale = self._table(1.0)
+                self.dora_scale[index, off : off + n] = m.float() / norm
+                self.slot_has_dora[index] = True
 
     def set_lora(self, index: int, lora_a: LoRAPieces, lora_b: LoRAPieces) -> None:
         self.reset_lora(index)
@@ -65,8 +141,32 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         mapping = current_lora_mapping()
         if mapping is None or not mapping.has_lora:
             return out
-        acc = out.float()
-        self.punica_wrapper.add_lora_linear(
-            acc, x, self.lora_a_stacked, self.lora_b_stacked, self.output_slices, self.slot_ranks
+        active = mapping.active_slots
+        has_bias = any(self.slot_has_bias[s] for s in active)
+        has_dora = any(self.slot_has_dora[s] for s in active)
+        if has_bias or has_dora:
+            return self._apply_with_extras(out, x, mapping, has_bias, has_dora)
+        return self.punica_wrapper.apply_lora_linear(
+            out, x, self.lora_a_stacked, self.lora_b_stacked, self.output_slices, self.slot_ranks
         )
-        return acc.to(out.dtype)
+
+    def _apply_with_extras(self, out, x, mapping, has_bias: bool, has_dora: bool) -> torch.Tensor:
+        acc = out.float()
+        slots = mapping.token_slots  # -1 picks the identity row
+        bias = self.bias_delta[slots] if has_bias else None  # (T, out)
+        if bias is not None:
+            acc = acc + bias
+        if not has_dora:
+            self.punica_wrapper.add_lora_linear(
+                acc, x, self.lora_a_stacked, self.lora_b_stacked, self.output_slices, self.slot_ranks
+            )
+            return acc.to(out.dtype)
+        delta = torch.zeros_like(acc)
+        self.punica_wrapper.add_lora_linear(
+            delta, x, self.lora_a_stacked, self.lora_b_stacked, self.output_slices, self.slot_ranks
+        )
+        g = self.dora_scale[slots]
+        b = self.base_layer.bias.float() if self.base_layer.bias is not None else torch.zeros_like(acc[0])
+        if bias is not None:
+            b = b + bias
+        return (acc + (g - 1) * (acc - b) + g * delta).to(out.dtype)
