@@ -38,7 +38,8 @@ from loraserve.lora.mapping import LoRATarget, find_lora_targets
 from loraserve.lora.packing import PackedAdapter, pack_adapter
 from loraserve.lora.peft import load_adapter
 from loraserve.lora.punica import LoRAMapping, PunicaWrapper
-from loraserve.lora.request import LoRARequest
+from loraserve.lora.mixtures import combine_adapters
+from loraserve.lora.request import LoRAMixture, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class LoRAManager:
                 f"its old weights; register the new weights under a new lora_int_id"
             )
         old = self._registered.get(req.lora_int_id)
-        if not req.lora_path:  # a reference by id to an adapter registered earlier
+        if not req.lora_path and not isinstance(req, LoRAMixture):  # a reference by id to an adapter registered earlier
             if old is None:
                 raise UnknownAdapterError(
                     f"unknown adapter {req.lora_name!r} (id {req.lora_int_id}): it was removed or never added; "
@@ -112,7 +113,7 @@ class LoRAManager:
                 )
             return False
         if old is not None:
-            if old.lora_path == req.lora_path and old.lora_name == req.lora_name:
+            if old == req:
                 return False
             raise LoRAFormatError(
                 f"lora_int_id {req.lora_int_id} is already used by adapter {old.lora_name!r} ({old.lora_path}); "
@@ -338,8 +339,19 @@ class LoRAManager:
         return len(self._host)
 
     # ---- packing and validation -----------------------------------------------------------------
+    def _load(self, req: LoRARequest):
+        if isinstance(req, LoRAMixture):
+            parts = [self._load(r) for r, _ in req.components]
+            return combine_adapters(
+                req.lora_name, parts, [w for _, w in req.components], req.combination,
+                self.config.max_lora_rank, req.density, req.seed,
+            )
+        if not req.lora_path and req.lora_int_id in self._registered:  # a component named by id
+            req = self._registered[req.lora_int_id]
+        return load_adapter(req.lora_path, req.lora_name, self.config.max_lora_rank, self.config.resolved_dtype())
+
     def _pack(self, req: LoRARequest) -> PackedAdapter:
-        adapter = load_adapter(req.lora_path, req.lora_name, self.config.max_lora_rank, self.config.resolved_dtype())
+        adapter = self._load(req)
         if adapter.nbytes > self.config.max_adapter_bytes:
             raise LoRAShapeError(
                 f"adapter {req.lora_name!r} ({req.lora_path}) is {adapter.nbytes} bytes > the limit "
