@@ -1,0 +1,90 @@
+"""`loraserve serve`: vLLM's flag names, the demo adapters by default, checks before the model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraserve.cli import build_parser
+from loraserve.config import ConfigError
+from loraserve.server.cli_serve import demo_adapters, make_app, run_serve
+
+
+def test_serve_flags_parse(tmp_path):
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "/models/m",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9000",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "512",
+            "--lora-modules",
+            "sql=/a/sql",
+            "chat=/a/chat",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "32",
+            "--max-cpu-loras",
+            "8",
+            "--lora-target-modules",
+            "q_proj",
+            "v_proj",
+            "--api-key",
+            "k",
+            "--allow-runtime-lora-updating",
+            "--lora-root",
+            str(tmp_path),
+            "--max-num-seqs",
+            "32",
+            "--seed",
+            "3",
+        ]
+    )
+    assert args.func is run_serve
+    assert args.model == "/models/m" and args.port == 9000 and args.max_model_len == 512
+    assert args.lora_modules == [("sql", "/a/sql"), ("chat", "/a/chat")]
+    assert args.lora_target_modules == ["q_proj", "v_proj"] and args.max_cpu_loras == 8
+    assert build_parser().parse_args(["serve"]).model is None
+
+
+def test_demo_adapters_are_found():
+    names = {n for n, _ in demo_adapters()}
+    assert names == {
+        "pirate",
+        "french",
+        "json",
+    }  # the dirs in loraserve/demo_adapters with an adapter_config.json
+
+
+def test_bad_flags_fail_before_the_model_loads(tmp_path):
+    p = build_parser()
+    with pytest.raises(ConfigError, match="--lora-root"):
+        make_app(p.parse_args(["serve", str(tmp_path / "no-model"), "--allow-runtime-lora-updating"]))
+    with pytest.raises(ConfigError, match="not a directory"):
+        make_app(
+            p.parse_args(["serve", str(tmp_path / "no-model"), "--lora-modules", f"x={tmp_path / 'nope'}"])
+        )
+
+
+def test_make_app_loads_the_lora_modules(files):
+    args = build_parser().parse_args(
+        [
+            "serve",
+            str(files.base),
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "32",
+            "--lora-modules",
+            f"a0={files.a0}",
+        ]
+    )
+    server = make_app(args).state.server
+    assert server.model_name == "tiny-llama"
+    assert list(server.engine.adapters.snapshot()) == ["a0"]
+    assert server.engine.engine.lora_manager is not None
