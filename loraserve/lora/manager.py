@@ -97,8 +97,13 @@ class LoRAManager:
             self.modules[t.path] = wrapper
 
     # ---- registration ---------------------------------------------------------------------------
-    def add_adapter(self, req: LoRARequest) -> bool:
-        """Register (parse + validate now). False if this id is already registered with the same path."""
+    def prepare(self, req: LoRARequest) -> PackedAdapter:
+        """Parse and validate an adapter without registering it. Safe off the engine thread (it only
+        reads the model), so servers parse on a worker and hand the result to ``add_adapter``."""
+        return self._pack(req)
+
+    def add_adapter(self, req: LoRARequest, packed: PackedAdapter | None = None) -> bool:
+        """Register (parse + validate now, unless ``packed`` from ``prepare``). False if already registered."""
         if req.lora_int_id in self._removed:
             raise LoRAFormatError(
                 f"lora_int_id {req.lora_int_id} was removed but {self._refs[req.lora_int_id]} request(s) still use "
@@ -119,7 +124,8 @@ class LoRAManager:
                 f"lora_int_id {req.lora_int_id} is already used by adapter {old.lora_name!r} ({old.lora_path}); "
                 f"new weights need a new lora_int_id"
             )
-        packed = self._pack(req)
+        if packed is None or packed.request != req:
+            packed = self._pack(req)
         self._registered[req.lora_int_id] = req
         self._host_put(req.lora_int_id, packed)
         self.stats["registered"] += 1

@@ -68,12 +68,17 @@ class AdapterTable:
     def snapshot(self) -> dict[str, LoRARequest]:
         return self._by_name
 
-    def load(self, engine: LLMEngine, name: str, path: str) -> LoRARequest:
-        """Register name -> path under a new id; a reload replaces the old id only once the new one parsed."""
+    def new_request(self, name: str, path: str) -> LoRARequest:
+        return LoRARequest(name, next(self._ids), path)
+
+    def load(self, engine: LLMEngine, name: str, path: str, req: LoRARequest | None = None, packed=None) -> LoRARequest:
+        """Register name -> path under a new id; a reload replaces the old id only once the new one parsed.
+
+        ``packed``: the adapter already parsed off the engine thread (LoRAManager.prepare)."""
         if engine.lora_manager is None:
             raise RequestError("LoRA is disabled on this server; restart it with --enable-lora")
-        req = LoRARequest(name, next(self._ids), path)
-        engine.lora_manager.add_adapter(req)  # parses + validates; LoRAError leaves the old one in place
+        req = req or self.new_request(name, path)
+        engine.lora_manager.add_adapter(req, packed)  # validates; LoRAError leaves the old one in place
         old = self._by_name.get(name)
         self._by_name = {**self._by_name, name: req}
         if old is not None:
@@ -309,7 +314,12 @@ class AsyncEngine:
         return stream
 
     async def load_adapter(self, name: str, path: str) -> LoRARequest:
-        return await self.call(lambda engine: self.adapters.load(engine, name, path))
+        req = self.adapters.new_request(name, path)
+        packed = None
+        if self.engine.lora_manager is not None:
+            # NOTE: parse on a worker thread, so a runtime load never stalls the step loop
+            packed = await asyncio.to_thread(self.engine.lora_manager.prepare, req)
+        return await self.call(lambda engine: self.adapters.load(engine, name, path, req, packed))
 
     async def unload_adapter(self, name: str) -> LoRARequest:
         return await self.call(lambda engine: self.adapters.unload(engine, name))
