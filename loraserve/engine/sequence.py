@@ -33,6 +33,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None  # filled once, during the first prefill
+    # position -> logprobs of prompt token position + 1; chunked prefill fills it piece by piece
+    prompt_logprobs_by_pos: dict = field(default_factory=dict)
     logprobs: SampleLogprobs | None = None
     text: str = ""
     prefix_offset: int = 0  # incremental detokenization window
