@@ -45,3 +45,12 @@ def test_verify_fails_an_adapter_served_with_a_wrong_scale(setup, monkeypatch):
     text = report.render()
     assert "FAIL" in text and "max |dlogprob|" in text and "do not deploy" in text
     assert report.max_abs_diff > 1e-3
+
+
+def test_verify_cli_exit_codes(setup, capsys):
+    from loraserve.cli import main
+
+    base, good = setup
+    code = main(["verify", str(good), "--model", str(base), "--prompt", PROMPTS[0], "--max-tokens", "4", "--threshold", "1e-4"])
+    out = capsys.readouterr().out
+    assert code == 0 and "PASS" in out

@@ -1,0 +1,7 @@
+"""``python -m loraserve ...`` is the ``loraserve`` command."""
+
+import sys
+
+from loraserve.cli import main
+
+sys.exit(main())
