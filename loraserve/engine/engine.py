@@ -127,10 +127,14 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
+        # NOTE: the longest this request can get must fit the whole cache, or preemption livelocks
+        # (it evicts itself forever); the last sampled token needs no KV, hence the - 1.
+        reach = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if self.blocks.blocks_for(reach - 1) > self.blocks.num_blocks:
             raise RequestError(
-                f"the prompt needs {self.blocks.blocks_for(len(ids) + 1)} KV blocks but the cache has "
-                f"{self.blocks.num_blocks}; raise the KV cache size or shorten the prompt"
+                f"the request can reach {reach} tokens (prompt {len(ids)} + max_tokens), which need "
+                f"{self.blocks.blocks_for(reach - 1)} KV blocks but the cache has {self.blocks.num_blocks}; "
+                f"raise the KV cache size, lower max_tokens or shorten the prompt"
             )
 
     def abort_request(self, request_id: str) -> None:
@@ -199,7 +203,7 @@ class LLMEngine:
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(out.sample_seqs, token_ids)):
             if seq.prompt_logprobs is None and seq.params.prompt_logprobs is not None:
-                seq.prompt_logprobs = [None] + [seq._prompt_lp[p] for p in range(seq.num_prompt_tokens - 1)]
+                seq.prompt_logprobs = [None] + [seq.prompt_logprobs_by_pos[p] for p in range(seq.num_prompt_tokens - 1)]
             seq.output_token_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -213,10 +217,8 @@ class LLMEngine:
         lp = torch.log_softmax(logits.float(), dim=-1)
         targets = torch.tensor(seq.prompt_token_ids[first_pos + 1 : first_pos + 1 + lp.shape[0]], device=lp.device)
         top = compute_logprobs(lp, targets, [seq.params.prompt_logprobs] * lp.shape[0])
-        if not hasattr(seq, "_prompt_lp"):
-            seq._prompt_lp = {}
         for j in range(lp.shape[0]):
-            seq._prompt_lp[first_pos + j] = self._logprob_dict(top, j, int(targets[j]))
+            seq.prompt_logprobs_by_pos[first_pos + j] = self._logprob_dict(top, j, int(targets[j]))
 
     def _logprob_dict(self, top, i: int, token: int) -> dict[int, Logprob]:
         d = {

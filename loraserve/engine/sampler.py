@@ -73,7 +73,8 @@ class Sampler:
         banned_ids[i]: tokens row i may not produce now (stop tokens before min_tokens).
         """
         logits = logits.float().cpu()
-        if banned_ids is not None:
+        if banned_ids is not None and any(banned_ids):
+            logits = logits.clone()  # may be an inference-mode tensor (or the runner's own): no in-place
             for i, ids in enumerate(banned_ids):
                 if ids:
                     logits[i, ids] = float("-inf")
