@@ -89,7 +89,7 @@ def test_prompt_logprobs_match_hf(smol, hf_smol):
         ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
     got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
     want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    assert (got - want).abs().max().item() < 2e-3  # 30 layers, fp32
+    assert (got - want).abs().max().item() < 1e-4  # 30 layers, fp32 (measured: 2e-5; HF eager vs sdpa differ by 8e-5)
 
 
 def test_second_start_reuses_converted_cache(smol, monkeypatch):

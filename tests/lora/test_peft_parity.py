@@ -131,3 +131,23 @@ def test_mixed_batch_equals_alone_and_peft(bases, adapters, engines):
         assert max(abs(a - b) for a, b in zip(a_pl, m_pl)) < 1e-5
         adapter_names = [lr.lora_name if lr else "__base__"]
         assert max_logprob_diff(ref, o, p["prompt_token_ids"], adapter_names) < ATOL
+
+
+def test_unembed_tokens_is_lm_head(bases, adapters, engines, tmp_path):
+    """Tinker exports name lm_head 'model.unembed_tokens': same adapter, renamed keys, same outputs."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = adapters["lm_head_only_tied"]
+    dst = tmp_path / "unembed"
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "adapter_model.safetensors"))
+    renamed = {k.replace("base_model.model.lm_head.", "base_model.model.model.unembed_tokens."): v for k, v in sd.items()}
+    assert any("unembed_tokens.lora_A" in k for k in renamed)
+    save_file(renamed, str(dst / "adapter_model.safetensors"))
+    llm = engines[("qwen2", True)]
+    outs = llm.generate(_prompts(), SP, lora_request=LoRARequest("unembed", 99, str(dst)))
+    ref = peft_model(bases[("qwen2", True)], {"lm_head_only_tied": src})
+    for p, o in zip(PROMPTS, outs):
+        assert max_logprob_diff(ref, o, p) < ATOL
