@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -37,8 +38,13 @@ def make_base(root: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512,
     )
     torch.manual_seed(0)
     d = root / "base"
@@ -61,7 +67,9 @@ def make_adapter(path: Path, seed: int, rank: int) -> str:
             t[f"{k}.lora_B.weight"] = torch.randn(fout, rank, generator=g) * 0.05
     path.mkdir(parents=True, exist_ok=True)
     save_file(t, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": rank, "target_modules": ["q_proj", "v_proj"]}))
+    (path / "adapter_config.json").write_text(
+        json.dumps({"r": rank, "lora_alpha": rank, "target_modules": ["q_proj", "v_proj"]})
+    )
     return str(path)
 
 
@@ -74,29 +82,51 @@ def traffic(n_adapters: int, n_requests: int, zipf: bool, rng: random.Random) ->
     return [i + 1 for i in rng.choices(range(n_adapters), weights=weights, k=n_requests)]
 
 
+def _timed(llm, prompts, sp, loras) -> float:
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, lora_request=loras)
+    dt = time.perf_counter() - t
+    return sum(len(o.outputs[0].token_ids) for o in outs) / dt
+
+
 def run_throughput(base: Path, reqs: list[LoRARequest], args) -> list[dict]:
+    """tokens/s per configuration, and its ratio to the base model timed alternately in the same run
+    (base, config, base, config, ...), so drift of a shared machine cancels in the ratio."""
     rows = []
     rng = random.Random(0)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [rng.randrange(2, VOCAB) for _ in range(args.prompt_len)]} for _ in range(args.requests)]
-    for n in (0, 1, 8, 64, 512):
-        for zipf in ((False,) if n <= 1 else (False, True)):
-            llm = LLM(str(base), enable_lora=n > 0, max_loras=8, max_cpu_loras=64, max_lora_rank=64, max_num_seqs=64)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(2, VOCAB) for _ in range(args.prompt_len)]}
+        for _ in range(args.requests)
+    ]
+    base_llm = LLM(str(base), max_num_seqs=64)
+    base_llm.generate(prompts[:4], sp)
+    for n in (1, 8, 64, 512):
+        for zipf in (False,) if n <= 1 else (False, True):
+            llm = LLM(str(base), enable_lora=True, max_loras=8, max_cpu_loras=64, max_lora_rank=64, max_num_seqs=64)
             ids = traffic(n, args.requests, zipf, rng)
-            loras = [reqs[i - 1] if i else None for i in ids]
-            for r in {lr for lr in loras if lr}:
+            loras = [reqs[i - 1] for i in ids]
+            for r in {lr.lora_int_id: lr for lr in loras}.values():
                 llm.add_lora(r)
             llm.generate(prompts[:4], sp, lora_request=loras[:4])  # warm up
-            t = time.perf_counter()
-            outs = llm.generate(prompts, sp, lora_request=loras)
-            dt = time.perf_counter() - t
-            toks = sum(len(o.outputs[0].token_ids) for o in outs)
-            stats = dict(llm.engine.lora_manager.stats) if n else {}
-            rows.append(dict(adapters=n, traffic="zipf" if zipf else "uniform", tok_s=toks / dt, distinct=len(set(ids) - {0}),
-                             slot_loads=stats.get("slot_loads", 0), disk_loads=stats.get("disk_loads", 0)))
-    base_tps = rows[0]["tok_s"]
-    for r in rows:
-        r["vs_base"] = r["tok_s"] / base_tps
+            pairs = []
+            for _ in range(args.repeat):
+                b = _timed(base_llm, prompts, sp, None)
+                c = _timed(llm, prompts, sp, loras)
+                pairs.append((b, c, c / b))
+            stats = dict(llm.engine.lora_manager.stats)
+            rows.append(
+                dict(
+                    adapters=n,
+                    traffic="zipf" if zipf else "uniform",
+                    distinct=len(set(ids)),
+                    base_tok_s=statistics.median(p[0] for p in pairs),
+                    tok_s=statistics.median(p[1] for p in pairs),
+                    vs_base=statistics.median(p[2] for p in pairs),
+                    slot_loads=stats.get("slot_loads", 0),
+                    disk_loads=stats.get("disk_loads", 0),
+                )
+            )
     return rows
 
 
@@ -144,24 +174,35 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=3, help="alternating base/config timings per row")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         base = make_base(root)
         t = time.perf_counter()
-        reqs = [LoRARequest(f"a{i}", i + 1, make_adapter(root / f"a{i}", i, 8 if i % 2 else 16)) for i in range(512)]
+        reqs = [
+            LoRARequest(f"a{i}", i + 1, make_adapter(root / f"a{i}", i, 8 if i % 2 else 16))
+            for i in range(512)
+        ]
         print(f"made 512 adapters in {time.perf_counter() - t:.1f}s")
         rows = run_throughput(base, reqs, args)
-        print(f"\n{'adapters':>8} {'traffic':>8} {'distinct':>8} {'tok/s':>8} {'vs base':>8} {'slot loads':>10} {'disk loads':>10}")
+        head = f"{'adapters':>8} {'traffic':>8} {'distinct':>8} {'base tok/s':>10} {'tok/s':>8} {'vs base':>8}"
+        print(f"\n{head} {'slot loads':>10} {'disk loads':>10}")
         for r in rows:
-            print(f"{r['adapters']:>8} {r['traffic']:>8} {r['distinct']:>8} {r['tok_s']:>8.1f} {r['vs_base']:>8.2f} "
-                  f"{r['slot_loads']:>10} {r['disk_loads']:>10}")
+            print(
+                f"{r['adapters']:>8} {r['traffic']:>8} {r['distinct']:>8} {r['base_tok_s']:>10.1f} {r['tok_s']:>8.1f} "
+                f"{r['vs_base']:>8.2f} {r['slot_loads']:>10} {r['disk_loads']:>10}"
+            )
         cold, resident = run_ttft(base, reqs)
-        print(f"\nTTFT resident adapter {resident * 1e3:.1f} ms, cold adapter (disk -> host -> slot) {cold * 1e3:.1f} ms")
+        print(
+            f"\nTTFT resident adapter {resident * 1e3:.1f} ms, cold adapter (disk -> host -> slot) {cold * 1e3:.1f} ms"
+        )
         own, padded = run_rank_cost(torch.device("cpu"))
-        print(f"\nLoRA op, 256 tokens, 8 rank-8 + 8 rank-64 adapters: own ranks {own:.2f} ms, padded to 64 {padded:.2f} ms "
-              f"(ratio {own / padded:.2f})")
+        print(
+            f"\nLoRA op, 256 tokens, 8 rank-8 + 8 rank-64 adapters: own ranks {own:.2f} ms, padded to 64 {padded:.2f} ms "
+            f"(ratio {own / padded:.2f})"
+        )
 
 
 if __name__ == "__main__":

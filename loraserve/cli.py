@@ -47,6 +47,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences in one batch")
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size on the CPU")
+    g.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="shard the model over N processes/GPUs of this host"
+    )
     g = p.add_argument_group("LoRA (--lora enables it)")
     g.add_argument(
         "--lora", type=_lora_arg, default=None, metavar="NAME=PATH", help="a PEFT adapter dir to apply"
@@ -55,6 +58,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     g.add_argument(
         "--max-cpu-loras", type=int, default=None, help="host adapter cache (default: max(max_loras, 32))"
+    )
+    g.add_argument(
+        "--fully-sharded-loras", action="store_true", help="with TP: shard LoRA A and B too (S-LoRA)"
     )
 
 
@@ -135,6 +141,8 @@ def _make_llm(args: argparse.Namespace):
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        tensor_parallel_size=args.tensor_parallel_size,
+        fully_sharded_loras=args.fully_sharded_loras,
     )
 
 

@@ -32,6 +32,10 @@ class Env:
     """Every environment variable loraserve reads, read once."""
 
     cache_dir: Path
+    # set by torchrun (None otherwise): this process is one rank of a tensor-parallel group
+    world_size: int | None = None
+    rank: int | None = None
+    local_rank: int | None = None
 
     @classmethod
     def read(cls) -> Env:
@@ -39,7 +43,8 @@ class Env:
         if root is None:
             xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             root = os.path.join(xdg, "loraserve")
-        return cls(cache_dir=Path(root))
+        dist = {k: os.environ.get(v) for k, v in (("world_size", "WORLD_SIZE"), ("rank", "RANK"), ("local_rank", "LOCAL_RANK"))}
+        return cls(cache_dir=Path(root), **{k: int(v) for k, v in dist.items() if v is not None})
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -68,10 +73,13 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str | None = None  # None = cuda if available, else cpu
+    load_format: str = "auto"  # auto = the checkpoint's safetensors; dummy = random weights (benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"unknown load_format {self.load_format!r}; use 'auto' or 'dummy'")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -136,10 +144,13 @@ class LoRAConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0  # a TP collective waiting longer fails the step (dead or hung rank)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size <= 0:
             raise ConfigError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if self.distributed_timeout_s <= 0:
+            raise ConfigError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
 
 
 @dataclass

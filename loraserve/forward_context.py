@@ -7,7 +7,7 @@ Nesting is refused, and the context is always cleared on exit.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,12 +24,19 @@ class AttentionMetadata:
     query_starts: list[int]
     query_lens: list[int]
     context_lens: list[int]  # tokens in the cache after this step, per sequence
-    kv_slots: list[torch.Tensor]  # cache slots of positions [0, context_len), per sequence
-    block_tables: torch.Tensor | None = None  # (B, max_blocks) for GPU kernels
+    kv_slots: list[torch.Tensor]  # cache slots of positions [0, context_len), per sequence (CPU path)
+    block_tables: torch.Tensor | None = None  # (B, max_blocks) int32, for GPU kernels
+    seq_info: torch.Tensor | None = None  # (B, 3) int32 [query_start, query_len, context_len], GPU kernels
+    block_size: int = 16  # KV cache block size: slot = block * block_size + offset
+    gpu_cache: dict = field(default_factory=dict)  # per-forward derived tensors (GPU work lists)
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens, default=0)
 
 
 @dataclass

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from loraserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from loraserve.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from loraserve.engine.engine import LLMEngine
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import RequestOutput
@@ -32,11 +39,13 @@ class LLM:
         lora_target_modules: list[str] | None = None,
         fully_sharded_loras: bool = False,
         tensor_parallel_size: int = 1,
+        distributed_timeout_s: float = 60.0,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory_gb: float = 2.0,
         device: str | None = None,
         progress: bool = False,
+        load_format: str = "auto",
     ):
         lora = None
         if enable_lora:
@@ -49,13 +58,21 @@ class LLM:
                 fully_sharded_loras=fully_sharded_loras,
             )
         self.config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device),
+            model=ModelConfig(
+                model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device, load_format=load_format
+            ),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             lora=lora,
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s
+            ),
         )
         self.engine = LLMEngine(self.config, progress=progress)
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel worker processes (also done at exit); this LLM cannot generate afterwards."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -21,8 +21,15 @@ from loraserve.engine.model_runner import ModelRunner, RunnerOutput, size_kv_cac
 from loraserve.engine.sampler import Sampler, compute_logprobs
 from loraserve.engine.scheduler import ScheduledBatch, Scheduler
 from loraserve.engine.sequence import Request, Sequence
+from loraserve.engine.worker import EngineDeadError, start_tensor_parallel
 from loraserve.lora.request import LoRARequest
-from loraserve.models.loader import default_dtype, iterate_safetensors, load_weights, resolve_model_dir
+from loraserve.models.loader import (
+    default_dtype,
+    init_dummy_weights,
+    iterate_safetensors,
+    load_weights,
+    resolve_model_dir,
+)
 from loraserve.models.registry import get_model_class
 from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
 from loraserve.sampling import SamplingParams
@@ -46,10 +53,15 @@ class LLMEngine:
         self.max_model_len = mc.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
         self.vocab_size = self.hf_config.vocab_size
         torch.manual_seed(mc.seed)
+        # tensor parallelism (engine/worker.py): None at TP=1; under torchrun, ranks > 0 serve here and exit
+        self.workers = start_tensor_parallel(config, self.model_dir)
         model_cls = get_model_class(self.hf_config)
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = model_cls(self.hf_config)
-        load_weights(self.model, iterate_safetensors(self.model_dir, progress=progress))
+        if mc.load_format == "dummy":
+            init_dummy_weights(self.model, mc.seed)
+        else:
+            load_weights(self.model, iterate_safetensors(self.model_dir, progress=progress))
         self.model.eval()
 
         self.lora_manager = None
@@ -63,6 +75,8 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(sc, self.blocks, adapters=self.lora_manager)
         self.runner = ModelRunner(self.model, self.blocks, self.dtype, self.device, self.lora_manager)
+        if self.workers is not None:
+            self.workers.attach(self.runner, self.lora_manager, num_blocks)
         self.sampler = Sampler(mc.seed)
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
@@ -90,6 +104,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
+        self._check_healthy()
         if prompt_token_ids is None:
             if prompt is None:
                 raise RequestError("a request needs a prompt or prompt_token_ids")
@@ -148,12 +163,34 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def is_healthy(self) -> bool:
+        """False once a tensor-parallel worker died or a collective failed: the engine cannot recover."""
+        return self.workers is None or self.workers.is_healthy()
+
+    def _check_healthy(self) -> None:
+        """Tensor parallelism: a dead worker fails every request and raises EngineDeadError."""
+        err: EngineDeadError | None = self.workers.failure() if self.workers is not None else None
+        if err is not None:
+            for rid in list(self.requests):
+                self.abort_request(rid)
+            raise err
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers (nothing to do at TP=1); the engine cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._check_healthy()
         batch = self.scheduler.schedule()
         if batch.empty:
             return self._idle()
-        out = self.runner.run(batch)
+        try:
+            out = self.runner.run(batch)
+        except EngineDeadError:  # a tensor-parallel worker died mid-step: fail every request
+            self._check_healthy()
+            raise
         token_ids = self._sample(out)
         return self._postprocess(batch, out, token_ids)
 

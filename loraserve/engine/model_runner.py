@@ -3,6 +3,10 @@
 Tokens of all scheduled sequences are flattened (varlen). Logits are computed only for rows that
 are needed: the last token of a sequence that samples now, and every prompt position of a sequence
 that asked for prompt logprobs.
+
+``run`` = ``prepare`` (the batch as plain lists, ``PreparedStep``; makes its adapters resident) +
+``execute`` (the forward). Under tensor parallelism rank 0 hands each step to ``on_step``, which
+broadcasts it, and every rank calls ``execute`` on it (engine/worker.py).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from loraserve.engine.scheduler import ScheduledBatch
 from loraserve.engine.sequence import Sequence
 from loraserve.forward_context import AttentionMetadata, forward_context
 from loraserve.layers.attention import Attention
+from loraserve.lora.punica import LoRAMapping
 
 
 @dataclass
@@ -26,6 +31,32 @@ class RunnerOutput:
     sample_logits: torch.Tensor | None = None  # (len(sample_seqs), V) fp32
     # seq -> (first predicted prompt position, logits (n, V) predicting prompt tokens there onward)
     prompt_logits: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class PreparedStep:
+    """One forward's inputs as plain lists: rank 0 builds it, and under TP every rank executes it."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]  # KV cache slot of each new token
+    query_starts: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]  # per sequence
+    logit_rows: list[int]  # hidden rows whose logits are computed
+    token_slots: list[int] | None = None  # LoRA slot of each token (-1 = base); None = no adapter in the batch
+    logit_slots: list[int] | None = None
+
+
+@dataclass
+class _OutputPlan:
+    """Rank 0's bookkeeping to turn the logits of a step into a RunnerOutput."""
+
+    out: RunnerOutput
+    prompt_rows: list[tuple[Sequence, int, int, int]]  # seq, first row, n rows, first position
+    sample_row0: int
+    lora_mapping: LoRAMapping | None
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:
@@ -55,23 +86,62 @@ class ModelRunner:
         self.device = device
         self.lora_manager = lora_manager
         num_slots = blocks.num_blocks * blocks.block_size
+        # NOTE: on CUDA one spare block past the manager's: the scratch slot of CUDA-graph padding rows
+        self.scratch_slot = num_slots
+        if device.type == "cuda":
+            num_slots += blocks.block_size
         self.kv_caches = []
         for attn in attention_layers(model):
             k = torch.zeros(num_slots, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
             v = torch.zeros_like(k)
             attn.bind_kv_cache(k, v)
             self.kv_caches.append((k, v))
+        layers = attention_layers(model)
+        self.gpu_attention = bool(layers) and layers[0]._kernel is not None
+        self.on_step = None  # tensor parallelism: rank 0's hook that broadcasts each PreparedStep
+        self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
+
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Replay decode steps of up to max_batch sequences from CUDA graphs (GPU attention only)."""
+        if not self.gpu_attention:
+            raise RuntimeError("CUDA graphs need the GPU attention kernel (a CUDA device with Triton)")
+        from loraserve.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_batch, max_model_len, self.scratch_slot)
+
+    def _gpu_seq_tables(self, block_tables, starts, lens, ctx_lens) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seq_info (B, 3), block_tables (B, max_blocks)) int32 views of one host->device copy."""
+        width = max(len(t) for t in block_tables)
+        rows = [[qs, n, c] + t + [0] * (width - len(t)) for t, qs, n, c in zip(block_tables, starts, lens, ctx_lens)]
+        packed = torch.tensor(rows, dtype=torch.int32).to(self.device)
+        return packed[:, :3], packed[:, 3:]
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        return self._table_slots(seq.block_table, start, end)
+
+    def _table_slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.blocks.block_size
-        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
+        step, plan = self.prepare(batch)
+        if self.on_step is not None:
+            self.on_step(step)
+        logits = self.execute(step, plan.lora_mapping)
+        out = plan.out
+        for seq, row0, n, first_pos in plan.prompt_rows:
+            out.prompt_logits[seq.seq_id] = (first_pos, logits[row0 : row0 + n])
+        if out.sample_seqs:
+            out.sample_logits = logits[plan.sample_row0 :]
+        return out
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[PreparedStep, _OutputPlan]:
+        """The batch as plain lists, and how to read its logits. Writes the batch's adapters into slots."""
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        starts, lens, ctx_lens, kv_slots = [], [], [], []
+        starts, lens, ctx_lens = [], [], []
         token_lora: list[int] = []  # lora_int_id of each token (0 = base)
         logit_rows: list[int] = []
         logit_lora: list[int] = []
@@ -87,7 +157,6 @@ class ModelRunner:
             ids.extend(all_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq, start, end))
-            kv_slots.append(torch.tensor(self._slots(seq, 0, end), dtype=torch.long, device=self.device))
             token_lora.extend([seq.lora_int_id] * n)
             if seq.wants_prompt_logprobs:
                 # rows at positions p in [start, min(end, prompt_len - 1)) predict prompt token p + 1
@@ -105,25 +174,48 @@ class ModelRunner:
                 logit_rows.append(s + n - 1)
                 logit_lora.append(seq.lora_int_id)
 
-        dev = self.device
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
-            query_starts=starts,
-            query_lens=lens,
-            context_lens=ctx_lens,
-            kv_slots=kv_slots,
-        )
-        lora_mapping = None
+        lora_mapping, token_slots, logit_slots = None, None, None
         if self.lora_manager is not None:
             lora_mapping = self.lora_manager.prepare_mapping(token_lora, logit_lora)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+            if lora_mapping is not None:  # the same slots as plain lists, for the other TP ranks
+                slot = {lid: self.lora_manager.slot_of(lid) for lid in set(token_lora) | set(logit_lora) if lid}
+                slot[0] = -1
+                token_slots, logit_slots = [slot[i] for i in token_lora], [slot[i] for i in logit_lora]
+        block_tables = [seq.block_table for seq in batch.seqs]
+        step = PreparedStep(
+            ids, positions, slot_mapping, starts, lens, ctx_lens, block_tables, logit_rows, token_slots, logit_slots
+        )
+        return step, _OutputPlan(out, prompt_rows, sample_row0, lora_mapping)
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep, lora_mapping: LoRAMapping | None = None) -> torch.Tensor | None:
+        """The forward of one step (on every TP rank): logits (len(logit_rows), V) fp32, or None."""
+        if self.graphs is not None and self.graphs.can_run(step):
+            return self.graphs.run(step)
+        dev = self.device
+        kv_slots = []
+        if not self.gpu_attention:  # the torch reference gathers each sequence's slots
+            kv_slots = [
+                torch.tensor(self._table_slots(t, 0, c), dtype=torch.long, device=dev)
+                for t, c in zip(step.block_tables, step.context_lens)
+            ]
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
+            query_starts=step.query_starts,
+            query_lens=step.query_lens,
+            context_lens=step.context_lens,
+            kv_slots=kv_slots,
+            block_size=self.blocks.block_size,
+        )
+        if self.gpu_attention:
+            md.seq_info, md.block_tables = self._gpu_seq_tables(
+                step.block_tables, step.query_starts, step.query_lens, step.context_lens
+            )
+        if lora_mapping is None and step.token_slots is not None:
+            lora_mapping = LoRAMapping.build(step.token_slots, step.logit_slots, dev)
+        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
         with forward_context(attn=md, lora=lora_mapping):
             hidden = self.model(input_ids, pos)
-            rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
-            logits = self.model.compute_logits(hidden[rows]) if logit_rows else None
-        for seq, row0, n, first_pos in prompt_rows:
-            out.prompt_logits[seq.seq_id] = (first_pos, logits[row0 : row0 + n])
-        if out.sample_seqs:
-            out.sample_logits = logits[sample_row0:]
-        return out
+            rows = torch.tensor(step.logit_rows, dtype=torch.long, device=dev)
+            return self.model.compute_logits(hidden[rows]) if step.logit_rows else None

@@ -2,11 +2,14 @@
 
 The KV cache of a layer is two tensors (num_slots, num_kv_heads, head_dim), slot = block * block_size
 + offset, bound by the model runner (``bind_kv_cache``). The torch reference path gathers each
-sequence's slots and runs SDPA with a causal (optionally sliding-window) mask; GPU kernels plug in
-behind ``Attention.forward`` without changing the model code.
+sequence's slots and runs SDPA with a causal (optionally sliding-window) mask. On CUDA the Triton
+kernel (``triton_attention.py``: one launch per layer for the whole varlen batch, through block
+tables) runs behind the same ``Attention.forward``, chosen once when the cache is bound.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +44,15 @@ def reference_paged_attention(
     return out
 
 
+def _select_kernel(device: torch.device):
+    """The Triton kernel on CUDA when Triton is installed (imported lazily), else None: the torch reference."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from loraserve.layers.triton_attention import paged_attention
+
+        return paged_attention
+    return None
+
+
 class Attention(nn.Module):
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
@@ -51,9 +63,11 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self._kernel = None
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
+        self._kernel = _select_kernel(k_cache.device)  # chosen once, by the cache's device type
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (T, Hq*D), k/v (T, Hk*D) -> (T, Hq*D). Writes k/v into the cache first."""
@@ -65,5 +79,8 @@ class Attention(nn.Module):
         assert self.k_cache is not None, "KV cache not bound; the model runner binds it before the first forward"
         self.k_cache[md.slot_mapping] = k.to(self.k_cache.dtype)
         self.v_cache[md.slot_mapping] = v.to(self.v_cache.dtype)
-        o = reference_paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
+        if self._kernel is not None:
+            o = self._kernel(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
+        else:
+            o = reference_paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
         return o.reshape(T, self.num_heads * self.head_dim)

@@ -27,8 +27,9 @@ class VocabParallelEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.num_embeddings_padded = pad_vocab(num_embeddings, self.tp_size)
         self.shard_size = self.num_embeddings_padded // self.tp_size
-        self.vocab_start = self.tp_rank * self.shard_size
-        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        # NOTE: clamped, so a rank whose whole shard is padding (tiny vocab, many ranks) holds no token
+        self.vocab_start = min(self.tp_rank * self.shard_size, num_embeddings)
+        self.vocab_end = min(self.tp_rank * self.shard_size + self.shard_size, num_embeddings)
         dtype = params_dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader

@@ -35,10 +35,10 @@ from loraserve.lora.errors import (
 )
 from loraserve.lora.layers import LORA_LAYER_CLASSES, BaseLayerWithLoRA, LogitsProcessorWithLoRA
 from loraserve.lora.mapping import LoRATarget, find_lora_targets
+from loraserve.lora.mixtures import combine_adapters
 from loraserve.lora.packing import PackedAdapter, pack_adapter
 from loraserve.lora.peft import load_adapter
 from loraserve.lora.punica import LoRAMapping, PunicaWrapper
-from loraserve.lora.mixtures import combine_adapters
 from loraserve.lora.request import LoRAMixture, LoRARequest
 
 logger = logging.getLogger(__name__)

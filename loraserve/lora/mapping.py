@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from loraserve.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from loraserve.layers.moe import FusedMoE
 from loraserve.layers.vocab import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
 from loraserve.models.interfaces import SupportsLoRA
 
@@ -34,7 +35,7 @@ def matches_target(name: str, targets: list[str]) -> bool:
 def _is_lora_base(module: nn.Module) -> bool:
     if isinstance(module, ParallelLMHead):
         return False  # its LoRA lives on the logits processor
-    return isinstance(module, (LinearBase, VocabParallelEmbedding, LogitsProcessor))
+    return isinstance(module, (LinearBase, VocabParallelEmbedding, LogitsProcessor, FusedMoE))
 
 
 def find_lora_targets(model: nn.Module, lora_target_modules: list[str] | None) -> tuple[list[LoRATarget], set[str]]:
@@ -57,6 +58,8 @@ def find_lora_targets(model: nn.Module, lora_target_modules: list[str] | None) -
             n_out = 3 if isinstance(module, QKVParallelLinear) else len(module.output_sizes)
             if pieces_rule is not None and len(pieces_rule) == n_out:
                 packed = pieces_rule
+        if isinstance(module, FusedMoE):  # LoRA on its 3-D parameters, named by parameter path (target_parameters)
+            parent, packed = adapter_name, list(module.hf_param_names)
         pieces: list[str | None] = [f"{parent}.{p}" if parent else p for p in packed]
         if lora_target_modules:
             restricted.update(p for p in pieces if not matches_target(p, lora_target_modules))

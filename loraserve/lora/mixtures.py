@@ -64,10 +64,11 @@ def combine_adapters(
 ) -> LoRAAdapter:
     for a in adapters:
         if a.bias_replacements or a.weight_replacements or a.trainable_tokens or any(
-            m.magnitude is not None or m.lora_bias is not None for m in a.modules.values()
+            m.magnitude is not None or m.lora_bias is not None or m.num_experts for m in a.modules.values()
         ):
             raise LoRAUnsupportedFeatureError(
-                f"adapter {a.name!r} ({a.path}) carries DoRA, biases, modules_to_save or trainable tokens; "
+                f"adapter {a.name!r} ({a.path}) carries DoRA, biases, modules_to_save, trainable tokens or "
+                f"target_parameters (MoE expert) LoRA; "
                 f"mixtures of such adapters are not supported yet"
             )
     gen = torch.Generator().manual_seed(seed)

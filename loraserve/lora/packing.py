@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from loraserve.lora.errors import LoRAShapeError, LoRAUnknownModuleError, LoRAUnsupportedFeatureError
-from loraserve.lora.layers import BaseLayerWithLoRA, LogitsProcessorWithLoRA, VocabParallelEmbeddingWithLoRA
+from loraserve.lora.layers import (
+    BaseLayerWithLoRA,
+    FusedMoEWithLoRA,
+    LogitsProcessorWithLoRA,
+    VocabParallelEmbeddingWithLoRA,
+)
 from loraserve.lora.mapping import LoRATarget, describe_unknown_module
 from loraserve.lora.peft import LoRAAdapter, LoRAModuleWeights
 from loraserve.lora.request import LoRARequest
@@ -149,6 +154,13 @@ def pack_adapter(
     packed = PackedAdapter(req, adapter)
     for path, t in targets.items():
         wrapper = modules[path]
+        if isinstance(wrapper, FusedMoEWithLoRA):  # per-expert A/B, from 3-D or per-expert 2-D keys
+            a, b, used = wrapper.gather_adapter(adapter.modules, t.pieces, lambda n: _where(req, n))
+            consumed.update(used)
+            if used:
+                n = len(a)
+                packed.per_module[path] = ModulePack(a, b, [None] * n, [None] * n, [None] * n)
+            continue
         shapes = wrapper.expected_shapes()
         if len(shapes) != len(t.pieces):
             raise LoRAUnknownModuleError(f"internal mapping error at {path}: {len(t.pieces)} pieces for {len(shapes)} slices")
@@ -160,6 +172,8 @@ def pack_adapter(
             if piece is None:
                 continue
             w = adapter.modules.get(piece)
+            if w is not None and w.num_experts:
+                raise LoRAShapeError(f"{_where(req, piece)}: a target_parameters (expert) LoRA on a module without experts")
             if w is not None:
                 _check_shape(req, piece, w, shapes[i], is_emb)
                 mp.a[i], mp.b[i], mp.magnitudes[i], mp.lora_biases[i] = w.lora_a, w.lora_b, w.magnitude, w.lora_bias

@@ -7,6 +7,9 @@ Follows ../shared/reference/peft_semantics.md:
   ``re.match(rf"(.*\\.)?({key})$", name)`` wins; ``use_rslora`` gives alpha / sqrt(r);
 - the scale is folded into B in fp32;
 - ``unembed_tokens`` (Tinker exports) is ``lm_head``;
+- ``target_parameters`` on MoE experts (PEFT's ParamWrapper): A (E*r, in), B (out, E*r) become per-expert
+  A (E, r, in) = A[e*r:(e+1)*r], B (E, out, r) = B[:, e::E], named by the parameter path
+  (``...mlp.experts.gate_up_proj``), which is also what rank_pattern / alpha_pattern match (r per expert);
 - features we do not serve yet are refused by name.
 """
 
@@ -47,6 +50,7 @@ class LoRAModuleWeights:
     is_embedding: bool = False
     magnitude: torch.Tensor | None = None  # DoRA m: (out,) for linear, (H,) for embedding
     lora_bias: torch.Tensor | None = None  # s * lora_B.bias, folded in fp32
+    num_experts: int = 0  # > 0: a target_parameters LoRA on a 3-D expert parameter, A (E, r, in), B (E, out, r)
 
 
 @dataclass
@@ -105,8 +109,16 @@ def check_supported(cfg: dict, path: Path) -> None:
         raise LoRAFormatError(f"adapter {f}: use_dora and lora_bias cannot be combined (PEFT refuses it too)")
     if cfg.get("fan_in_fan_out") and cfg.get("use_dora"):
         raise _refuse(f, "DoRA with fan_in_fan_out (Conv1D bases)", "serve a model with nn.Linear layers")
-    if cfg.get("target_parameters"):
-        raise _refuse(f, f"target_parameters={cfg['target_parameters']}", "target modules, not raw parameters")
+    tp = cfg.get("target_parameters")
+    if tp is not None and not (isinstance(tp, list) and all(isinstance(t, str) for t in tp)):
+        raise LoRAFormatError(f"adapter {f}: target_parameters must be a list of parameter names, got {tp!r}")
+    for t in tp or []:
+        if t.rpartition(".")[2] not in EXPERT_PARAMS:
+            raise _refuse(
+                f,
+                f"target_parameters entry {t!r} (only MoE expert parameters {', '.join(EXPERT_PARAMS)} are served)",
+                "target that layer with target_modules instead",
+            )
     init = cfg.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):
         raise _refuse(
@@ -217,6 +229,86 @@ def _trainable_token_ids(cfg: dict, module: str, f: Path) -> list[int]:
     raise LoRAFormatError(f"adapter {f}: trainable tokens for {module!r} but trainable_token_indices does not name it")
 
 
+# 3-D expert parameters a target_parameters LoRA may adapt, in HF's registration order (input projection first)
+EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
+_BASE_LAYER = ".base_layer"
+
+
+def _fits_gated(a_in, b_in, a_down, b_down) -> bool:
+    """Do these factors fit gate_up_proj (A (., H), B (2I, .)) and down_proj (A (., I), B (H, .))?"""
+    return a_in.shape[1] == b_down.shape[0] and b_in.shape[0] == 2 * a_down.shape[1]
+
+
+def resolve_param_targets(cfg: dict, parts: dict[str, dict[str, torch.Tensor]], f: Path) -> dict[str, str]:
+    """target_parameters LoRA keys -> the parameter path they adapt ('...experts.base_layer' -> '...experts.gate_up_proj').
+
+    PEFT wraps each targeted parameter of a module in its own ParamWrapper, nesting them in registration order
+    (first registered innermost): with gate_up_proj and down_proj both targeted, ``<m>.base_layer.lora_*`` is
+    gate_up_proj and ``<m>.lora_*`` is down_proj. The key does not name the parameter, so: a module with one
+    candidate in target_parameters takes it; with two, shapes decide (gate_up: A (., H), B (2I, .); down:
+    A (., I), B (H, .)), registration order only when shapes cannot (non-gated experts).
+    """
+    targets = cfg.get("target_parameters") or []
+    if not targets:
+        return {}
+    groups: dict[str, dict[int, str]] = {}
+    for key in parts:
+        base, depth = key, 0
+        while base.endswith(_BASE_LAYER):
+            base, depth = base[: -len(_BASE_LAYER)], depth + 1
+        groups.setdefault(base, {})[depth] = key
+    out: dict[str, str] = {}
+    for base, by_depth in groups.items():
+        cands = []
+        for t in targets:
+            param = t.rpartition(".")[2]
+            full = f"{base}.{param}"
+            if (full == t or full.endswith("." + t)) and param not in cands:
+                cands.append(param)
+        if not cands:
+            if len(by_depth) > 1 or 0 not in by_depth:
+                raise LoRAFormatError(f"adapter {f}: nested LoRA keys under {base!r} match no target_parameters entry")
+            continue  # a plain target_modules LoRA
+        if sorted(by_depth) != list(range(len(by_depth))) or len(by_depth) != len(cands):
+            raise LoRAFormatError(
+                f"adapter {f}: {base!r} has {len(by_depth)} nested LoRA(s) but target_parameters names "
+                f"{len(cands)} parameter(s) there ({', '.join(cands)}); the file does not match its config"
+            )
+        if len(cands) > 2:
+            raise LoRAUnsupportedFeatureError(f"adapter {f}: more than two target_parameters on {base!r} are not supported")
+        cands.sort(key=EXPERT_PARAMS.index)
+        keys = [by_depth[d] for d in sorted(by_depth, reverse=True)]  # innermost (first registered) first
+        if len(keys) == 2:
+            (a0, b0), (a1, b1) = ((parts[k].get("lora_A"), parts[k].get("lora_B")) for k in keys)
+            if all(t is not None for t in (a0, b0, a1, b1)) and cands[0] == "gate_up_proj":
+                if not _fits_gated(a0, b0, a1, b1) and _fits_gated(a1, b1, a0, b0):
+                    keys.reverse()
+        out.update((k, f"{base}.{c}") for k, c in zip(keys, cands))
+    return out
+
+
+def _expert_param_lora(
+    param: str, a: torch.Tensor, b: torch.Tensor, r: int, scaling: float, f: Path, dtype: torch.dtype
+) -> LoRAModuleWeights:
+    """PEFT's ParamWrapper factors -> per expert: A_e = A[e*r:(e+1)*r], B_e = B[:, e::E] (B scaled in fp32)."""
+    if a.shape[0] % r or b.shape[1] != a.shape[0]:
+        raise LoRARankError(
+            f"adapter {f}: parameter {param!r} has A{tuple(a.shape)} B{tuple(b.shape)}, not (E*r, in), (out, E*r) "
+            f"with r={r} (rank_pattern/alpha_pattern are matched in file order); fix adapter_config.json"
+        )
+    E = a.shape[0] // r
+    a3 = a.float().reshape(E, r, a.shape[1])  # (E, r, in)
+    b3 = b.float().reshape(b.shape[0], r, E).permute(2, 0, 1)  # (E, out, r)
+    return LoRAModuleWeights(
+        module_name=param,
+        lora_a=a3.to(dtype).contiguous(),
+        lora_b=(b3 * scaling).to(dtype).contiguous(),
+        rank=r,
+        scaling=scaling,
+        num_experts=E,
+    )
+
+
 def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
     """Parse and validate an adapter dir. Raises a LoRAError subclass naming the file, module and fix."""
     path = Path(path)
@@ -255,6 +347,7 @@ def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype 
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
     rslora = bool(cfg.get("use_rslora", False))
     modules: dict[str, LoRAModuleWeights] = {}
+    params = resolve_param_targets(cfg, parts, wfile)
     for module, p in parts.items():
         is_emb = "lora_embedding_A" in p or "lora_embedding_B" in p
         ka, kb = ("lora_embedding_A", "lora_embedding_B") if is_emb else ("lora_A", "lora_B")
@@ -268,9 +361,19 @@ def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype 
         a, b = p[ka], p[kb]
         if a.dim() != 2 or b.dim() != 2:
             raise LoRAFormatError(f"adapter {wfile}: module {module!r}: LoRA tensors must be 2-D, got {tuple(a.shape)}, {tuple(b.shape)}")
-        rk, ak = pattern_key(rank_pattern, module), pattern_key(alpha_pattern, module)
+        param = params.get(module)
+        rk, ak = pattern_key(rank_pattern, param or module), pattern_key(alpha_pattern, param or module)
         r = rank_pattern[rk] if rk is not None else r_default
         alpha = alpha_pattern[ak] if ak is not None else alpha_default
+        if param is not None:  # target_parameters: r counts per expert
+            if r > max_rank:
+                raise LoRARankError(
+                    f"adapter {path.name!r} ({path}) has rank {r} > max_lora_rank {max_rank} at parameter {param!r}; "
+                    f"restart with --max-lora-rank {r}"
+                )
+            scaling = alpha / math.sqrt(r) if rslora else alpha / r
+            modules[param] = _expert_param_lora(param, a, b, r, scaling, wfile, dtype)
+            continue
         if a.shape[0] != r or b.shape[1] != r:
             raise LoRARankError(
                 f"adapter {wfile}: module {module!r} has rank {a.shape[0]} tensors but the config gives r={r} "

@@ -21,9 +21,9 @@ from loraserve.lora.ops import torch_ops
 
 def _segments(
     slots: torch.Tensor, device: torch.device
-) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor, list[int], list[int], list[int]]:
-    """slots (T,) on the CPU -> (segments [(slot, indices on device)], order on device, starts, lens, seg_slots)
-    over tokens sorted by slot (>= 0 only).
+) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor, torch.Tensor, list[int], list[int], list[int]]:
+    """slots (T,) on the CPU -> (segments [(slot, indices on device)], order on device, order on the CPU,
+    starts, lens, seg_slots) over tokens sorted by slot (>= 0 only).
 
     NOTE: computed on the host from the host copy: no device round trip (the GPU never syncs here).
     """
@@ -39,7 +39,7 @@ def _segments(
             lens.append(c)
             seg_slots.append(s)
         pos += c
-    return segs, order, starts, lens, seg_slots
+    return segs, order, order_cpu, starts, lens, seg_slots
 
 
 @dataclass
@@ -58,10 +58,32 @@ class SegmentMeta:
 
     @classmethod
     def build(
-        cls, order: torch.Tensor, seg_slots: list[int], starts: list[int], lens: list[int], device: torch.device
+        cls,
+        order: torch.Tensor,
+        seg_slots: list[int],
+        starts: list[int],
+        lens: list[int],
+        device: torch.device,
     ) -> SegmentMeta:
+        """From the host copy of the order (CPU tensor): one host->device copy, no sync."""
         host = torch.tensor(order.tolist() + seg_slots + starts + lens, dtype=torch.int32)
         return cls(host.to(device), len(order), len(seg_slots), max(lens, default=0))
+
+    @staticmethod
+    def static_host(slots: list[int], num_tokens: int, max_loras: int) -> list[int]:
+        """The packed contents for a static meta of ``num_tokens`` rows (``slots`` may be shorter: the
+        rest is padding): every slot has a segment, in slot order, empty ones of length 0."""
+        counts = [0] * max_loras
+        for s in slots:
+            if s >= 0:
+                counts[s] += 1
+        starts, pos = [], 0
+        for c in counts:
+            starts.append(pos)
+            pos += c
+        order = sorted((t for t, s in enumerate(slots) if s >= 0), key=lambda t: slots[t])
+        order += [0] * (num_tokens - len(order))
+        return order + list(range(max_loras)) + starts + counts
 
 
 @dataclass
@@ -80,12 +102,12 @@ class LoRAMapping:
     def build(cls, token_slots: list[int], logit_slots: list[int], device: torch.device) -> LoRAMapping:
         ts = torch.tensor(token_slots, dtype=torch.long)
         ls = torch.tensor(logit_slots, dtype=torch.long)
-        tseg, order, starts, lens, tslots = _segments(ts, device)
-        lseg, lorder, lstarts, llens, lslots = _segments(ls, device)
+        tseg, order, order_cpu, starts, lens, tslots = _segments(ts, device)
+        lseg, _, lorder_cpu, lstarts, llens, lslots = _segments(ls, device)
         tmeta = lmeta = None
         if device.type == "cuda":
-            tmeta = SegmentMeta.build(order, tslots, starts, lens, device)
-            lmeta = SegmentMeta.build(lorder, lslots, lstarts, llens, device)
+            tmeta = SegmentMeta.build(order_cpu, tslots, starts, lens, device)
+            lmeta = SegmentMeta.build(lorder_cpu, lslots, lstarts, llens, device)
         return cls(ts.to(device), ls.to(device), tseg, lseg, order, starts, lens, tmeta, lmeta)
 
     @property
@@ -125,7 +147,9 @@ class PunicaWrapper:
     def add_shrink(self, buf: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, ranks: list[int]) -> None:
         self.ops.lora_shrink(x, lora_a, self.mapping().token_segments, ranks, buf)
 
-    def add_expand(self, y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: list[int], offset: int) -> None:
+    def add_expand(
+        self, y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: list[int], offset: int
+    ) -> None:
         self.ops.lora_expand(y, buf, lora_b, self.mapping().token_segments, ranks, offset)
 
     def add_lora_linear(
@@ -166,7 +190,9 @@ class PunicaWrapper:
         as the reference's ``(out.float() + delta).to(out.dtype)``, without two extra passes).
         """
         if self.kernels is not None:
-            self.kernels.add_lora_linear(out, x, lora_a_stacked, lora_b_stacked, ranks, self.mapping().token_meta)
+            self.kernels.add_lora_linear(
+                out, x, lora_a_stacked, lora_b_stacked, ranks, self.mapping().token_meta
+            )
             return out
         acc = out.float()
         self.add_lora_linear(acc, x, lora_a_stacked, lora_b_stacked, output_slices, ranks)
@@ -175,7 +201,13 @@ class PunicaWrapper:
     def add_lora_embedding(
         self, y: torch.Tensor, ids: torch.Tensor, emb_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int]
     ) -> None:
-        self.ops.lora_embedding(y, ids, emb_a, lora_b, self.mapping().token_segments, ranks)
+        mapping = self.mapping()
+        if self.kernels is not None:
+            self.kernels.add_lora_embedding(
+                y, ids, emb_a, lora_b, ranks, mapping.token_slots, mapping.token_meta
+            )
+            return
+        self.ops.lora_embedding(y, ids, emb_a, lora_b, mapping.token_segments, ranks)
 
     def add_lora_logits(
         self, y: torch.Tensor, h: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int]

@@ -36,10 +36,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or hidden // heads
         model_type = config.model_type
         attn_bias = getattr(config, "attention_bias", False)
-        qkv_bias = True if model_type == "qwen2" else attn_bias
+        qkv_bias = True if model_type == "qwen2" else getattr(config, "qkv_bias", attn_bias)  # qwen2_moe: qkv_bias
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=attn_bias and model_type != "qwen2")
-        self.qk_norm = model_type == "qwen3"
+        self.qk_norm = model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -66,10 +66,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
@@ -79,10 +79,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    """``mlp`` / ``attn``: the block's own modules (MoE families pass theirs); default Llama's."""
+
+    def __init__(self, config, layer_idx: int, mlp: nn.Module | None = None, attn: nn.Module | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = attn if attn is not None else LlamaAttention(config, layer_idx)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -92,10 +94,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, make_layer=LlamaDecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -118,11 +120,12 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA):
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
     ]
+    make_layer = LlamaDecoderLayer  # (config, layer_idx) -> decoder layer; the MoE families pass their own
 
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, type(self).make_layer)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -130,9 +130,20 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters())  # tied weights appear once
     stacked = getattr(model, "stacked_params_mapping", [])
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    # a model's own key rules (MoE experts): name -> (parameter, extra weight_loader args), or None
+    mapper = getattr(model, "map_checkpoint_name", None)
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        mapped = mapper(name) if mapper is not None else None
+        if mapped is not None:
+            target, args = mapped
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} maps to {target!r}, which the model lacks")
+            param = params[target]
+            getattr(param, "weight_loader", _default_weight_loader)(param, tensor, *args)
+            loaded.add(target)
             continue
         for param_part, ckpt_part, shard_id in stacked:
             if f".{ckpt_part}." in name:
@@ -152,6 +163,21 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     missing = sorted(set(params) - loaded)
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights for benchmarks without a checkpoint (``load_format="dummy"``): N(0, std) for
+    matrices and embeddings, 1 + N(0, std) for norm weights, 0 for biases; generated on the weights' device."""
+    gen_by_device: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():  # tied weights appear once
+        gen = gen_by_device.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+        if p.dim() >= 2:
+            p.normal_(0.0, std, generator=gen)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(1.0, std, generator=gen)
 
 
 @contextmanager

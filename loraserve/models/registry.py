@@ -9,6 +9,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("loraserve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("loraserve.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("loraserve.models.llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("loraserve.models.qwen_moe", "Qwen3MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("loraserve.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "MixtralForCausalLM": ("loraserve.models.mixtral", "MixtralForCausalLM"),
+    "OlmoeForCausalLM": ("loraserve.models.mixtral", "OlmoeForCausalLM"),
 }
 
 

@@ -195,7 +195,9 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self.dead is None and self._thread is not None and self._thread.is_alive()
+        """The loop runs and, under tensor parallelism, every worker is healthy."""
+        loop_ok = self.dead is None and self._thread is not None and self._thread.is_alive()
+        return loop_ok and self.engine.is_healthy()
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:

@@ -51,6 +51,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size on the CPU")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (overrides the size)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (one host)")
+    g.add_argument("--distributed-timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
     g = p.add_argument_group("LoRA")
     g.add_argument(
         "--enable-lora",
@@ -67,6 +69,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     )
     g.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once")
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
+    g.add_argument(
+        "--fully-sharded-loras", action="store_true", help="S-LoRA layout under tensor parallelism (A/B sharded too)"
+    )
     g.add_argument(
         "--max-cpu-loras", type=int, default=None, help="host adapter cache (default: max(max_loras, 32))"
     )
@@ -101,7 +106,14 @@ def demo_adapters() -> list[tuple[str, str]]:
 
 
 def build_engine(args: argparse.Namespace, lora_modules: list[tuple[str, str]]):
-    from loraserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+    from loraserve.config import (
+        CacheConfig,
+        EngineConfig,
+        LoRAConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
     from loraserve.engine.engine import LLMEngine
 
     lora = None
@@ -111,6 +123,7 @@ def build_engine(args: argparse.Namespace, lora_modules: list[tuple[str, str]]):
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
             lora_target_modules=args.lora_target_modules,
+            fully_sharded_loras=args.fully_sharded_loras,
         )
     config = EngineConfig(
         model=ModelConfig(
@@ -125,6 +138,9 @@ def build_engine(args: argparse.Namespace, lora_modules: list[tuple[str, str]]):
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),
         lora=lora,
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size, distributed_timeout_s=args.distributed_timeout
+        ),
     )
     return LLMEngine(config, progress=False)
 

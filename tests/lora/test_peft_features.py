@@ -91,7 +91,7 @@ def test_feature_matches_peft(case, world):
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SP, lora_request=req)
     ref = peft_model(bases[(arch, tied)], {case: adapters[case]})
     base = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SP)
-    for p, o, b in zip(PROMPTS, outs, base):
+    for p, o in zip(PROMPTS, outs):
         assert max_logprob_diff(ref, o, p) < ATOL
         want = ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(p):]
         assert o.outputs[0].token_ids == want.tolist()

@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 from helpers import make_peft_adapter, make_tiny_model, max_logprob_diff, peft_model
+from safetensors import safe_open
 
 from loraserve import LLM, LoRARequest, SamplingParams
 

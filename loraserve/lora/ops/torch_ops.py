@@ -44,7 +44,12 @@ def lora_expand(
 
 
 def lora_embedding(
-    y: torch.Tensor, ids: torch.Tensor, emb_a: torch.Tensor, lora_b: torch.Tensor, segments: Segments, ranks: list[int]
+    y: torch.Tensor,
+    ids: torch.Tensor,
+    emb_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    segments: Segments,
+    ranks: list[int],
 ) -> None:
     """y[t] += A^T[ids[t]] @ B^T for embedding LoRA. emb_a (max_loras, V, max_rank), lora_b (max_loras, 1, H, R)."""
     for slot, idx in segments:

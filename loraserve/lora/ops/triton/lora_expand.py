@@ -21,7 +21,7 @@ from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
 from loraserve.lora.punica import SegmentMeta
 
 
-@triton.jit(do_not_specialize=["T", "S", "N0", "N1", "N2", "tiles0", "tiles01", "y_offset"])
+@triton.jit(do_not_specialize=["T", "S", "N0", "N1", "N2", "tiles0", "tiles01", "y_offset", "SPLIT_K"])
 def _lora_expand_kernel(
     buf_ptr,
     b0_ptr,
@@ -48,8 +48,8 @@ def _lora_expand_kernel(
     stride_wr,
     stride_ym,
     stride_yn,
+    SPLIT_K,
     NUM_SLICES: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -137,22 +137,33 @@ def lora_expand(
     meta: SegmentMeta,
     ranks: torch.Tensor,
     offset: int = 0,
+    exact_fp32: bool = True,
 ) -> None:
-    """y (T, N) += per-slice B_i(buf_i) at columns offset + sum(N_<i); buf from ``lora_shrink``."""
+    """y (T, N) += per-slice B_i(buf_i) at columns offset + sum(N_<i); buf from ``lora_shrink``.
+
+    ``exact_fp32``: with fp32 B, multiply in true fp32 (fp32 models); False (half-precision models)
+    lets the tensor cores take tf32 products, still accumulated in fp32 (see utils.compute_dtype_of).
+    """
     n = len(lora_b)
     assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
-    assert y.dim() == 2 and y.is_cuda, f"y must be a 2-D CUDA tensor, got {tuple(y.shape)} on {y.device}"
+    assert y.dim() == 2, f"y must be 2-D (T, N), got {tuple(y.shape)}"
     T = y.shape[0]
     split, n_buf, T_buf, R = buf.shape
     assert buf.dtype == torch.float32 and n_buf == n and T_buf == T, f"buf {tuple(buf.shape)} does not fit"
-    assert buf.stride(3) == 1
+    assert buf.stride(3) == 1 and buf.device == y.device
     b0 = lora_b[0]
-    assert b0.dim() == 4 and b0.shape[1] == 1 and b0.shape[3] == R, f"B {tuple(b0.shape)} does not fit rank {R}"
+    assert b0.dim() == 4 and b0.shape[1] == 1 and b0.shape[3] == R, (
+        f"B {tuple(b0.shape)} does not fit rank {R}"
+    )
     for b in lora_b:
         assert b.dtype == b0.dtype and b.shape[0] == b0.shape[0] and b.shape[3] == R, "slices differ"
-        assert b.stride()[1:] == (b.shape[2] * R, R, 1) and b.device == y.device, "B must be contiguous (out, R) per slot"
+        assert b.stride()[1:] == (b.shape[2] * R, R, 1) and b.device == y.device, (
+            "B must be contiguous (out, R) per slot"
+        )
     sizes = [b.shape[2] for b in lora_b] + [0] * (3 - n)
-    assert offset + sum(sizes) <= y.shape[1], f"slices {sizes[:n]} at offset {offset} overflow y {tuple(y.shape)}"
+    assert offset + sum(sizes) <= y.shape[1], (
+        f"slices {sizes[:n]} at offset {offset} overflow y {tuple(y.shape)}"
+    )
     assert ranks.dtype == torch.int32 and ranks.numel() == b0.shape[0], "ranks: int32, one per slot"
     assert meta.num_tokens == T
     if meta.num_segs == 0 or T == 0:
@@ -171,8 +182,8 @@ def lora_expand(
         T, meta.num_segs, sizes[0], sizes[1], sizes[2], tiles[0], tiles[0] + tiles[1], offset,
         buf.stride(0), buf.stride(1), buf.stride(2),
         b0.stride(0), b1.stride(0), b2.stride(0), R, 1,
-        y.stride(0), y.stride(1),
-        NUM_SLICES=n, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        WDT=tl_dtype(b0.dtype), CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
+        y.stride(0), y.stride(1), split,
+        NUM_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        WDT=tl_dtype(b0.dtype), CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and exact_fp32,
         num_warps=4,
     )  # fmt: skip

@@ -19,7 +19,7 @@ from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
 from loraserve.lora.punica import SegmentMeta
 
 
-@triton.jit(do_not_specialize=["T", "S", "K", "k_per_split"])
+@triton.jit(do_not_specialize=["T", "S", "K", "k_per_split", "NUM_RBLOCKS", "SPLIT_K"])
 def _lora_shrink_kernel(
     x_ptr,
     a0_ptr,
@@ -41,8 +41,8 @@ def _lora_shrink_kernel(
     stride_bi,
     stride_bm,
     NUM_SLICES: tl.constexpr,
-    NUM_RBLOCKS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    NUM_RBLOCKS,
+    SPLIT_K,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -85,8 +85,8 @@ def _lora_shrink_kernel(
     x_row = x_ptr + tok[:, None] * stride_xm
     a_base = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        kk = k + offs_k
+    for k in range(0, k_per_split, BLOCK_K):
+        kk = k_begin + k + offs_k
         k_mask = kk < K
         xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
@@ -126,14 +126,21 @@ def lora_shrink(
     """
     n = len(lora_a)
     assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
-    assert x.dim() == 2 and x.is_cuda, f"x must be a 2-D CUDA tensor, got {tuple(x.shape)} on {x.device}"
+    assert x.dim() == 2, f"x must be 2-D (T, K), got {tuple(x.shape)}"
     T, K = x.shape
     a0 = lora_a[0]
-    assert a0.dim() == 4 and a0.shape[1] == 1 and a0.shape[3] == K, f"A {tuple(a0.shape)} does not fit x (T, {K})"
+    assert a0.dim() == 4 and a0.shape[1] == 1 and a0.shape[3] == K, (
+        f"A {tuple(a0.shape)} does not fit x (T, {K})"
+    )
     for a in lora_a:
-        assert a.shape == a0.shape and a.stride() == a0.stride() and a.dtype == a0.dtype, "slices differ in layout"
+        assert a.shape == a0.shape and a.stride() == a0.stride() and a.dtype == a0.dtype, (
+            "slices differ in layout"
+        )
         assert a.device == x.device and a.stride(3) == 1, "A must be on x's device, contiguous along K"
-    assert ranks.dtype == torch.int32 and ranks.numel() == a0.shape[0], "ranks: int32, one per slot"
+    assert ranks.dtype == torch.int32 and ranks.numel() == a0.shape[0] and ranks.device == x.device, (
+        "ranks: int32, one per slot"
+    )
+    assert meta.packed.device == x.device and meta.packed.dtype == torch.int32
     assert meta.num_tokens == T, f"mapping has {meta.num_tokens} tokens, x has {T}"
     R = a0.shape[2]
     assert max_rank <= R
@@ -155,7 +162,7 @@ def lora_shrink(
         buf.stride(0), buf.stride(1), buf.stride(2),
         NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
-        CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
+        CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
         num_warps=4,
     )  # fmt: skip
     return buf

@@ -1,0 +1,257 @@
+"""LoRA and attention kernels on the GPU: ours (Triton) vs the torch reference, µs and % of copy bandwidth.
+
+For each shape, every token has an adapter, rank 16, x bf16, output bf16 (the layer's output, rounded
+once, as the engine runs it). Decode sizes (<= 256 tokens): one token per sequence, adapters
+round-robin. Prefill (4096 tokens): 32 sequences of 128 tokens, adapters round-robin by sequence. Times are medians of triton.testing.do_bench
+(L2 flushed between runs):
+
+- ``call``: wall time per eager ``add_lora_linear`` call, 300 calls back to back (ranks lookup,
+  buffer allocation, shrink + expand launches): what a layer pays per forward without CUDA graphs,
+  CPU launch cost included (inputs stay in L2 here);
+- ``graph``: the same call replayed from a CUDA graph, timed by do_bench (GPU time, L2 flushed);
+- ``torch``: the reference path (``torch_ops``, one matmul pair per adapter and slice), wall time
+  per call like ``call``.
+
+Bytes = x + each active adapter's A and B (at its rank) + y read and written; the shrink's fp32
+partials are counted too. Bandwidth % is against a device-to-device copy measured in the same run.
+
+    python benchmarks/gpu/bench_lora_kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from loraserve.forward_context import AttentionMetadata
+from loraserve.layers.attention import reference_paged_attention
+from loraserve.layers.triton_attention import paged_attention
+from loraserve.lora.ops import torch_ops
+from loraserve.lora.ops.triton_ops import TritonLoRAOps
+from loraserve.lora.punica import LoRAMapping
+
+DEV = torch.device("cuda")
+# name, T tokens, adapters, K, slice outs
+LORA_CASES = [
+    ("qkv", 16, 8, 4096, (4096, 1024, 1024)),
+    ("qkv", 64, 8, 4096, (4096, 1024, 1024)),
+    ("qkv", 256, 32, 4096, (4096, 1024, 1024)),
+    ("qkv", 4096, 8, 4096, (4096, 1024, 1024)),
+    ("o", 16, 8, 4096, (4096,)),
+    ("gate_up", 16, 8, 4096, (14336, 14336)),
+    ("gate_up", 256, 32, 4096, (14336, 14336)),
+    ("gate_up", 4096, 8, 4096, (14336, 14336)),
+    ("down", 16, 8, 14336, (4096,)),
+    ("down", 256, 32, 14336, (4096,)),
+]
+VLLM_US = {("qkv", 16, 8): 41.5, ("qkv", 256, 32): 126.0}  # vLLM's Triton LoRA ops (bf16), from the issue
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 2 GiB device-to-device copy."""
+    src = torch.empty(1 << 30, dtype=torch.int16, device=DEV).random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
+def wall_us(fn, n: int = 300) -> float:
+    """Wall-clock µs per call of n back-to-back calls (CPU launch cost included), after a warm-up."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def graph_of(fn):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def bench_lora(name, T, S, K, outs, wdtype, rank=16):
+    g = torch.Generator(device=DEV).manual_seed(T * 131 + S)
+    # decode: one token per sequence, adapters round-robin; prefill: sequences of 128 tokens, one adapter each
+    slots = [t % S for t in range(T)] if T <= 256 else [(t // 128) % S for t in range(T)]
+    ranks = [rank] * S
+    mapping = LoRAMapping.build(slots, [], DEV)
+    As = tuple(torch.randn(S, 1, rank, K, device=DEV, generator=g).mul_(0.02).to(wdtype) for _ in outs)
+    Bs = tuple(torch.randn(S, 1, n, rank, device=DEV, generator=g).mul_(0.02).to(wdtype) for n in outs)
+    x = torch.randn(T, K, device=DEV, generator=g).to(torch.bfloat16)
+    y = torch.randn(T, sum(outs), device=DEV, generator=g).to(torch.bfloat16)
+    ops = TritonLoRAOps(DEV)
+
+    def ours():
+        ops.add_lora_linear(y, x, As, Bs, ranks, mapping.token_meta)
+
+    def reference():
+        acc = y.float()
+        off = 0
+        for a, b in zip(As, Bs):
+            buf = torch.zeros(T, rank, dtype=wdtype, device=DEV)
+            torch_ops.lora_shrink(x, a, mapping.token_segments, ranks, buf)
+            torch_ops.lora_expand(acc, buf, b, mapping.token_segments, ranks, off)
+            off += b.shape[2]
+        return acc.to(y.dtype)
+
+    t_call = wall_us(ours)
+    gr = graph_of(ours)
+    t_graph = do_bench(gr.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    t_ref = wall_us(reference, n=30)
+    w = torch.finfo(wdtype).bits // 8
+    n_slices, n_active = len(outs), len(set(slots))
+    split = 1  # the partials plane count is small; count one read and one write of (T, slices, R) fp32
+    nbytes = (
+        T * K * 2
+        + n_active * n_slices * rank * K * w
+        + n_active * sum(outs) * rank * w
+        + 2 * T * sum(outs) * 2
+        + 2 * split * n_slices * T * rank * 4
+    )
+    return dict(
+        op=name, T=T, adapters=S, dtype=str(wdtype).replace("torch.", ""), call_us=t_call, graph_us=t_graph,
+        torch_us=t_ref, bytes=nbytes, vllm_us=VLLM_US.get((name, T, S)) if wdtype == torch.bfloat16 else None,
+    )  # fmt: skip
+
+
+def check_lora_once():
+    """A quick guard that the timed kernels compute the right thing (the full tests live in tests/gpu)."""
+    T, S, K, outs, rank = 64, 8, 4096, (4096, 1024, 1024), 16
+    g = torch.Generator(device=DEV).manual_seed(0)
+    slots = [(t * 7) % (S + 1) - 1 for t in range(T)]
+    mapping = LoRAMapping.build(slots, [], DEV)
+    As = tuple(torch.randn(S, 1, rank, K, device=DEV, generator=g).mul_(0.02) for _ in outs)
+    Bs = tuple(torch.randn(S, 1, n, rank, device=DEV, generator=g).mul_(0.02) for n in outs)
+    x = torch.randn(T, K, device=DEV, generator=g).to(torch.bfloat16)
+    y0 = torch.randn(T, sum(outs), device=DEV, generator=g)
+    y = y0.clone()
+    TritonLoRAOps(DEV).add_lora_linear(y, x, As, Bs, [rank] * S, mapping.token_meta)
+    ref = y0.clone()
+    off = 0
+    for a, b in zip(As, Bs):
+        buf = torch.zeros(T, rank, device=DEV)
+        torch_ops.lora_shrink(x, a, mapping.token_segments, [rank] * S, buf)
+        torch_ops.lora_expand(ref, buf, b, mapping.token_segments, [rank] * S, off)
+        off += b.shape[2]
+    err = ((y - ref).norm() / (ref - y0).norm()).item()
+    assert err < 2e-3, err  # bf16 activations, fp32 weights: tf32 products, fp32 accumulation
+    return err
+
+
+def attn_metadata(q_lens, ctx_lens, block_size=16):
+    tables, starts, slot_mapping, kv_slots, pos, nxt = [], [], [], [], 0, 0
+    for n, c in zip(q_lens, ctx_lens):
+        nb = -(-c // block_size)
+        table = list(range(nxt, nxt + nb))[::-1]  # scattered order inside the sequence
+        nxt += nb
+        tables.append(table)
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(c)]
+        kv_slots.append(torch.tensor(slots, device=DEV))
+        slot_mapping += slots[c - n :]
+        starts.append(pos)
+        pos += n
+    width = max(len(t) for t in tables)
+    packed = torch.tensor(
+        [[s, n, c] + t + [0] * (width - len(t)) for s, n, c, t in zip(starts, q_lens, ctx_lens, tables)],
+        dtype=torch.int32,
+        device=DEV,
+    )
+    md = AttentionMetadata(
+        torch.tensor(slot_mapping, device=DEV), starts, list(q_lens), list(ctx_lens), kv_slots,
+        block_tables=packed[:, 3:], seq_info=packed[:, :3], block_size=block_size,
+    )  # fmt: skip
+    return md, nxt * block_size
+
+
+def bench_attention(name, q_lens, ctx_lens, heads=32, kv_heads=8, head_dim=128):
+    md, num_slots = attn_metadata(q_lens, ctx_lens)
+    T = sum(q_lens)
+    q = torch.randn(T, heads, head_dim, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(num_slots, kv_heads, head_dim, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    scale = head_dim**-0.5
+    out = paged_attention(q, k, v, md, scale, None)
+    ref = reference_paged_attention(q, k, v, md, scale, None)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    t_ours = do_bench(
+        lambda: paged_attention(q, k, v, md, scale, None), warmup=25, rep=200, return_mode="median"
+    )
+    t_ref = wall_us(lambda: reference_paged_attention(q, k, v, md, scale, None), n=10) * 1e-3
+    kv_bytes = sum(ctx_lens) * kv_heads * head_dim * 2 * 2
+    return dict(
+        op=name,
+        T=T,
+        seqs=len(q_lens),
+        ours_us=t_ours * 1e3,
+        torch_us=t_ref * 1e3,
+        bytes=kv_bytes + 2 * T * heads * head_dim * 2,
+        rel_err=err,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = copy_bandwidth()
+    print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read + write)")
+    print(
+        f"correctness guard (qkv, 64 tokens, bf16 x, fp32 weights): rel err of the delta {check_lora_once():.1e}"
+    )
+    rows = []
+    for wdtype in (torch.bfloat16, torch.float32):
+        for case in LORA_CASES:
+            rows.append(bench_lora(*case, wdtype))
+    att = [
+        bench_attention("decode ctx 256", [1] * 32, [256] * 32),
+        bench_attention("decode ctx 1024", [1] * 32, [1024] * 32),
+        bench_attention("prefill 128", [128] * 32, [128] * 32),
+    ]
+    print()
+    print(
+        "| op | tokens | adapters | LoRA dtype | ours eager call µs | ours GPU (graph) µs | torch ref call µs | vs torch | vLLM µs / ours (call, graph) | MB moved | % copy BW (graph) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        vl = (
+            f"{r['vllm_us']} µs: {r['vllm_us'] / r['call_us']:.2f}x, {r['vllm_us'] / r['graph_us']:.2f}x"
+            if r["vllm_us"]
+            else "-"
+        )
+        pct = 100 * r["bytes"] / (r["graph_us"] * 1e-6) / bw
+        print(
+            f"| {r['op']} | {r['T']} | {r['adapters']} | {r['dtype']} | {r['call_us']:.1f} | {r['graph_us']:.1f} | "
+            f"{r['torch_us']:.0f} | {r['torch_us'] / r['call_us']:.1f}x | {vl} | {r['bytes'] / 1e6:.1f} | {pct:.0f}% |"
+        )
+    print()
+    print(
+        "| attention (Llama-8B heads 32/8, d 128, bf16) | tokens | seqs | ours µs | torch ref µs | speedup | % copy BW | rel err |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in att:
+        pct = 100 * r["bytes"] / (r["ours_us"] * 1e-6) / bw
+        print(
+            f"| {r['op']} | {r['T']} | {r['seqs']} | {r['ours_us']:.1f} | {r['torch_us']:.0f} | "
+            f"{r['torch_us'] / r['ours_us']:.1f}x | {pct:.0f}% | {r['rel_err']:.1e} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bw": bw, "lora": rows, "attention": att}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

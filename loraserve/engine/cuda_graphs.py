@@ -1,0 +1,159 @@
+"""CUDA graphs of decode steps: one graph per batch-size bucket and per {base, LoRA} (GPU only).
+
+A decode step (every sequence has one new token and samples) of B sequences replays the graph of
+the smallest bucket >= B. Everything the forward reads per step lives in static buffers that are
+refilled before the replay: token ids, positions, KV slots, seq_info + block tables, and the LoRA
+mapping as a static ``SegmentMeta`` (every slot has a segment; empty ones have length 0, which the
+kernels skip). Padding rows write their K/V to a scratch slot past the block manager's blocks and
+have query length 0, so attention skips them; their logits are dropped.
+
+The LoRA graph serves any mix of adapters: which slot each token uses, and each slot's rank, are
+data, not shapes. Ranks live in device copies that ``refresh_ranks`` brings up to date before every
+replay (an adapter loaded into a slot after capture changes them).
+
+Graphs are captured lazily, at the first decode step of a bucket, after one eager warm-up run of
+the same static inputs (which also compiles the Triton kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraserve.forward_context import AttentionMetadata, forward_context
+from loraserve.lora.punica import LoRAMapping, SegmentMeta
+
+
+def _buckets(max_batch: int) -> list[int]:
+    out = [b for b in (1, 2, 4, 8) if b < max_batch]
+    b = 16
+    while b < max_batch:
+        out.append(b)
+        b += 16
+    return out + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int, max_model_len: int, scratch_slot: int):
+        self.runner = runner
+        self.device = runner.device
+        self.buckets = _buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        bs = runner.blocks.block_size
+        self.max_blocks = -(-max_model_len // bs)
+        dev = self.device
+        self.scratch_slot = scratch_slot
+        # rows: input ids, positions, KV slots, LoRA slot per token (-1 = base)
+        self.longs = torch.zeros(4, self.max_batch, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(self.max_batch, 3 + self.max_blocks, dtype=torch.int32, device=dev)
+        lm = runner.lora_manager
+        self.max_loras = lm.max_loras if lm is not None else 0
+        self.meta_bufs = {
+            b: torch.zeros(b + 3 * self.max_loras, dtype=torch.int32, device=dev) for b in self.buckets
+        }
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.stats = {"replays": 0, "captures": 0}
+
+    def can_run(self, step) -> bool:
+        B = len(step.input_ids)
+        return (
+            0 < B <= self.max_batch
+            and len(step.query_lens) == B
+            and len(step.logit_rows) == B
+            and max(step.query_lens) == 1
+            and max(len(t) for t in step.block_tables) <= self.max_blocks
+        )
+
+    def _bucket(self, B: int) -> int:
+        return next(b for b in self.buckets if b >= B)
+
+    def _fill(self, step, Bp: int, use_lora: bool) -> None:
+        B = len(step.input_ids)
+        pad = Bp - B
+        slots = step.token_slots if step.token_slots is not None else [-1] * B
+        longs = torch.tensor(
+            [
+                step.input_ids + [0] * pad,
+                step.positions + [0] * pad,
+                step.slot_mapping + [self.scratch_slot] * pad,
+                slots + [-1] * pad,
+            ],
+            dtype=torch.long,
+        )
+        self.longs[:, :Bp].copy_(longs)
+        rows = [
+            [qs, n, c] + t + [0] * (self.max_blocks - len(t))
+            for t, qs, n, c in zip(step.block_tables, step.query_starts, step.query_lens, step.context_lens)
+        ]
+        rows += [[B + i, 0, 0] + [0] * self.max_blocks for i in range(pad)]
+        self.tables[:Bp].copy_(torch.tensor(rows, dtype=torch.int32))
+        if use_lora:
+            meta = SegmentMeta.static_host(slots, Bp, self.max_loras)
+            self.meta_bufs[Bp].copy_(torch.tensor(meta, dtype=torch.int32))
+
+    def _contexts(self, Bp: int, use_lora: bool):
+        md = AttentionMetadata(
+            slot_mapping=self.longs[2, :Bp],
+            query_starts=list(range(Bp)),
+            query_lens=[1] * Bp,
+            context_lens=[1] * Bp,
+            kv_slots=[],
+            block_tables=self.tables[:Bp, 3:],
+            seq_info=self.tables[:Bp, :3],
+            block_size=self.runner.blocks.block_size,
+        )
+        mapping = None
+        if use_lora:
+            meta = SegmentMeta(self.meta_bufs[Bp], Bp, self.max_loras, Bp, static=True)
+            token_slots = self.longs[3, :Bp]
+            placeholder = [(0, token_slots[:0])]  # non-empty: the layers take the LoRA path
+            mapping = LoRAMapping(
+                token_slots=token_slots,
+                logit_slots=token_slots,  # decode: the logits rows are the tokens, in order
+                token_segments=placeholder,
+                logit_segments=placeholder,
+                token_order=token_slots,  # unused by the kernels, which read the static meta
+                seg_starts=[0],
+                seg_lens=[0],
+                token_meta=meta,
+                logit_meta=meta,
+            )
+        return md, mapping
+
+    def _forward(self, Bp: int, use_lora: bool) -> torch.Tensor:
+        md, mapping = self._contexts(Bp, use_lora)
+        with forward_context(attn=md, lora=mapping):
+            hidden = self.runner.model(self.longs[0, :Bp], self.longs[1, :Bp])
+            return self.runner.model.compute_logits(hidden)
+
+    def _capture(self, Bp: int, use_lora: bool):
+        torch.cuda.synchronize(self.device)
+        self._forward(Bp, use_lora)  # warm-up: compiles kernels, creates cached device tensors
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(
+            g, pool=self.pool, capture_error_mode="thread_local"
+        ):  # adapter loads may run beside
+            logits = self._forward(Bp, use_lora)
+        if self.pool is None:
+            self.pool = g.pool()
+        self.stats["captures"] += 1
+        return g, logits
+
+    @torch.inference_mode()
+    def run(self, step) -> torch.Tensor:
+        """Logits (B, V) fp32 of a decode step, by graph replay."""
+        B = len(step.input_ids)
+        Bp = self._bucket(B)
+        use_lora = step.token_slots is not None and self.max_loras > 0
+        self._fill(step, Bp, use_lora)
+        if use_lora:
+            self.runner.lora_manager.punica.kernels.refresh_ranks()
+        key = (Bp, use_lora)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(Bp, use_lora)
+            self._fill(step, Bp, use_lora)  # the warm-up and capture ran on these buffers
+        g, logits = self.graphs[key]
+        g.replay()
+        self.stats["replays"] += 1
+        return logits[:B].clone()

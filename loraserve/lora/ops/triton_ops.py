@@ -1,0 +1,80 @@
+"""The GPU backend of ``PunicaWrapper``: the Triton shrink/expand kernels on ``SegmentMeta``.
+
+Imported only when a PunicaWrapper is built on CUDA with Triton installed (CPU installs never
+import triton). Per layer and op: one shrink launch and one expand launch for all 1-3 slices.
+
+NOTE: a one-launch variant (shrink recomputed per output chunk, no partials) was measured on the
+H200 and was 2.5-9x slower than shrink + expand at decode sizes (each program streamed all of K
+alone); it was dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraserve.lora.ops.triton.lora_expand import lora_expand
+from loraserve.lora.ops.triton.lora_shrink import lora_shrink
+from loraserve.lora.punica import SegmentMeta
+
+
+class TritonLoRAOps:
+    def __init__(self, device: torch.device):
+        self.device = device
+        # id(ranks list) -> (the list, its contents when copied, int32 device copy). Layers keep their
+        # ``slot_ranks`` list for life, so the id is stable; holding the list keeps the id unique.
+        self._ranks: dict[int, tuple[list[int], tuple[int, ...], torch.Tensor]] = {}
+
+    def ranks_tensor(self, ranks: list[int]) -> torch.Tensor:
+        """The device copy of a layer's per-slot ranks, refreshed in place when the list changed."""
+        entry = self._ranks.get(id(ranks))
+        now = tuple(ranks)
+        if entry is None:
+            dev = torch.tensor(now, dtype=torch.int32).to(self.device)
+            self._ranks[id(ranks)] = (ranks, now, dev)
+            return dev
+        _, seen, dev = entry
+        if seen != now:
+            dev.copy_(torch.tensor(now, dtype=torch.int32), non_blocking=False)
+            self._ranks[id(ranks)] = (ranks, now, dev)
+        return dev
+
+    def refresh_ranks(self) -> None:
+        """Bring every device rank copy up to date (before replaying a CUDA graph, which runs no Python)."""
+        for ranks, _, _ in list(self._ranks.values()):
+            self.ranks_tensor(ranks)
+
+    def add_lora_linear(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        ranks: list[int],
+        meta: SegmentMeta,
+    ) -> None:
+        """y (T, sum N_i) += per-slice B_i(A_i x) per token's slot; y fp32 or the layer's dtype (rounded once)."""
+        assert meta is not None, "the LoRA mapping has no SegmentMeta: build it with a CUDA device"
+        rank_dev = self.ranks_tensor(ranks)
+        max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
+        if max_rank == 0:
+            return
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank)
+        lora_expand(y, buf, lora_b_stacked, meta, rank_dev, exact_fp32=x.dtype == torch.float32)
+
+    def add_lora_embedding(
+        self,
+        y: torch.Tensor,
+        ids: torch.Tensor,
+        emb_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        ranks: list[int],
+        token_slots: torch.Tensor,
+        meta: SegmentMeta,
+    ) -> None:
+        """y (T, H) fp32 += A^T[slot(t), ids[t]] @ B[slot(t)]^T: a row gather, then the expand kernel."""
+        assert meta is not None, "the LoRA mapping has no SegmentMeta: build it with a CUDA device"
+        rank_dev = self.ranks_tensor(ranks)
+        if not meta.static and max(ranks) == 0:
+            return
+        rows = emb_a[token_slots.clamp(min=0), ids].float()  # (T, R); rows of base tokens are never read
+        lora_expand(y, rows.view(1, 1, *rows.shape), (lora_b,), meta, rank_dev)

@@ -1,0 +1,121 @@
+"""The engine on the GPU (Triton LoRA + attention kernels, CUDA graphs) against HF + PEFT.
+
+A tiny random Llama with six PEFT adapters of different ranks and targets (embeddings and lm_head
+included), served in one mixed batch with base-model requests:
+
+- eager, fp32: prompt and decode logprobs equal HF + PEFT's (1e-3);
+- CUDA graphs, fp32: the same tokens and logprobs as eager (1e-4), with every adapter in the batch;
+- CUDA graphs, bf16: logprobs within 2e-2 of HF + PEFT in bf16.
+
+Runs only where CUDA is present (the device machine); CI has no GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+from helpers import engine_logprobs, make_peft_adapter, make_tiny_model  # noqa: E402
+
+from loraserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+
+ADAPTERS = {
+    "all16": dict(r=16, lora_alpha=32, target_modules="all-linear"),
+    "qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "emb_head8": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "lm_head", "o_proj"]),
+    "mlp16": dict(r=16, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "ko2": dict(r=2, lora_alpha=4, target_modules=["k_proj", "o_proj"]),
+    "pattern8": dict(r=8, lora_alpha=8, target_modules="all-linear", rank_pattern={"down_proj": 3}),
+}
+SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_engine")
+    base = root / "base"
+    make_tiny_model(
+        base, "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    dirs = {}
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        dirs[name] = make_peft_adapter(base, root / name, seed=10 + i, **kw)
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(2, 256, (int(n),), generator=g).tolist()
+        for n in torch.randint(3, 40, (14,), generator=g)
+    ]
+    names = [None, *ADAPTERS]
+    per_prompt = [names[i % len(names)] for i in range(len(prompts))]
+    return base, dirs, prompts, per_prompt
+
+
+def serve(models, dtype: str, graphs: bool):
+    base, dirs, prompts, per_prompt = models
+    llm = LLM(
+        str(base), dtype=dtype, device="cuda", enable_lora=True, max_loras=8, max_lora_rank=16,
+        num_kv_blocks=128, max_num_seqs=16,
+    )  # fmt: skip
+    if graphs:
+        llm.engine.runner.enable_cuda_graphs(16, llm.engine.max_model_len)
+    ids = {name: i + 1 for i, name in enumerate(dirs)}
+    reqs = [None if n is None else LoRARequest(n, ids[n], str(dirs[n])) for n in per_prompt]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SP, lora_request=reqs)
+    return llm, outs
+
+
+def hf_peft(base, dirs, dtype: torch.dtype):
+    """HF base in ``dtype`` on the GPU + the adapters, which PEFT upcasts to fp32 (autocast_adapter_dtype)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype).to("cuda")
+    names = list(dirs)
+    model = PeftModel.from_pretrained(model, str(dirs[names[0]]), adapter_name=names[0])
+    for n in names[1:]:
+        model.load_adapter(str(dirs[n]), adapter_name=n)
+    return model.eval()
+
+
+def hf_diffs(models, outs, dtype: torch.dtype) -> list[float]:
+    base, dirs, prompts, per_prompt = models
+    model = hf_peft(base, dirs, dtype)
+    diffs = []
+    for prompt, name, out in zip(prompts, per_prompt, outs):
+        ids = prompt + out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([ids], device="cuda"), adapter_names=[name or "__base__"]).logits[0]
+        ref = torch.log_softmax(logits.float(), dim=-1)
+        ours = [x for part in engine_logprobs(out, prompt) for x in part]
+        theirs = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        diffs.append(max(abs(a - b) for a, b in zip(ours, theirs)))
+    return diffs
+
+
+def test_eager_fp32_matches_peft(models):
+    _, outs = serve(models, "float32", graphs=False)
+    diffs = hf_diffs(models, outs, torch.float32)
+    assert max(diffs) < 1e-3, diffs
+
+
+def test_cuda_graphs_equal_eager_with_many_adapters(models):
+    _, eager = serve(models, "float32", graphs=False)
+    llm, graphed = serve(models, "float32", graphs=True)
+    stats = llm.engine.runner.graphs.stats
+    assert stats["replays"] >= SP.max_tokens - 1 and stats["captures"] >= 1, stats
+    _, prompts, per_prompt = models[1:]
+    for prompt, a, b in zip(prompts, eager, graphed):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la, lb = engine_logprobs(a, prompt), engine_logprobs(b, prompt)
+        assert max(abs(x - y) for x, y in zip(la[1], lb[1])) < 1e-4
+
+
+def test_cuda_graphs_bf16_matches_peft(models):
+    _, outs = serve(models, "bfloat16", graphs=True)
+    diffs = hf_diffs(models, outs, torch.bfloat16)
+    assert max(diffs) <= 2e-2, diffs

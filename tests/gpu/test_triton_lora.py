@@ -1,0 +1,171 @@
+"""Triton LoRA kernels (shrink + expand, 1-3 slices per launch) against the torch reference ops.
+
+Random data everywhere (never zeros), garbage beyond each slot's rank (the kernels must not read it),
+tokens of no adapter (slot -1) that must stay bit-identical, heterogeneous ranks including 0.
+Runs only where CUDA is present (the device machine); CI has no GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+from loraserve.forward_context import forward_context  # noqa: E402
+from loraserve.lora.ops import torch_ops  # noqa: E402
+from loraserve.lora.ops.triton_ops import TritonLoRAOps  # noqa: E402
+from loraserve.lora.punica import LoRAMapping, PunicaWrapper, SegmentMeta  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def stacked(g, max_loras, rank, n_in, n_out, ranks, dtype):
+    """A (S, 1, R, in), B (S, 1, out, R): random inside each slot's rank, large garbage beyond it."""
+    a = torch.randn(max_loras, 1, rank, n_in, generator=g) * 0.1
+    b = torch.randn(max_loras, 1, n_out, rank, generator=g) * 0.1
+    for s, r in enumerate(ranks):
+        a[s, :, r:] = 1e4
+        b[s, :, :, r:] = 1e4
+    return a.to(DEV, dtype), b.to(DEV, dtype)
+
+
+def meta_of(m: LoRAMapping) -> SegmentMeta:
+    return SegmentMeta.build(m.token_order.cpu(), m.active_slots, m.seg_starts, m.seg_lens, DEV)
+
+
+def reference(y0, x, As, Bs, segments, ranks):
+    """fp32 y0 + per-slice delta with torch_ops (the CPU oracle, run on the same device).
+
+    The intermediate is kept in the weights' dtype, as PEFT's lora_A output is (fp32 by default).
+    """
+    y = y0.float().clone()
+    off = 0
+    for a, b in zip(As, Bs):
+        buf = torch.zeros(x.shape[0], a.shape[2], dtype=a.dtype, device=x.device)
+        torch_ops.lora_shrink(x, a, segments, ranks, buf)
+        torch_ops.lora_expand(y, buf, b, segments, ranks, off)
+        off += b.shape[2]
+    return y
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+CASES = [
+    # T, max_loras, R, n_in, slice outs, x dtype, weight dtype, y dtype
+    (16, 8, 16, 4096, (4096, 1024, 1024), torch.bfloat16, torch.bfloat16, torch.float32),
+    (256, 32, 16, 4096, (4096, 1024, 1024), torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    (64, 8, 64, 4096, (14336, 14336), torch.bfloat16, torch.float32, torch.bfloat16),
+    (200, 8, 32, 14336, (4096,), torch.bfloat16, torch.float32, torch.float32),
+    (37, 5, 16, 896, (896, 128, 128), torch.float16, torch.float16, torch.float16),
+    (300, 6, 64, 512, (700, 300), torch.float32, torch.float32, torch.float32),
+    (1, 4, 8, 64, (64, 32, 32), torch.bfloat16, torch.float32, torch.bfloat16),
+    (1000, 3, 16, 1024, (2048,), torch.bfloat16, torch.bfloat16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"T{c[0]}-S{c[1]}-R{c[2]}-{len(c[4])}sl-{c[5]}-{c[6]}-{c[7]}"
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_add_lora_linear_matches_reference(case, seed):
+    T, S, R, n_in, outs, xdt, wdt, ydt = case
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(1, R + 1, (S,), generator=g).tolist()
+    ranks[0] = R
+    if S > 2:
+        ranks[2] = 0  # an empty slot: its tokens get no delta
+    slots = torch.randint(-1, S, (T,), generator=g).tolist()
+    slots[0] = 0
+    mapping = LoRAMapping.build(slots, [], DEV)
+    pairs = [stacked(g, S, R, n_in, n, ranks, wdt) for n in outs]
+    As, Bs = tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
+    x = torch.randn(T, n_in, generator=g).to(DEV, xdt)
+    y0 = torch.randn(T, sum(outs), generator=g).to(DEV, ydt)
+
+    ref = reference(y0, x, As, Bs, mapping.token_segments, ranks)
+    y = y0.clone()
+    TritonLoRAOps(DEV).add_lora_linear(y, x, As, Bs, ranks, meta_of(mapping))
+    torch.cuda.synchronize()
+
+    base = torch.tensor([s < 0 or ranks[s] == 0 for s in slots], device=DEV)
+    assert torch.equal(y[base], y0[base]), "tokens without an adapter must be untouched"
+    delta, ref_delta = y.float() - y0.float(), ref - y0.float()
+    if ydt == torch.float32:
+        tol = 1e-5 if wdt == torch.float32 and xdt == torch.float32 else 1e-2
+        err = rel_err(delta[~base], ref_delta[~base])
+        assert err < tol, f"rel err {err}"
+    else:  # rounded once into the layer's dtype, as (y.float() + delta).to(dtype)
+        err = rel_err(y.float(), ref.to(ydt).float())
+        assert err < 1e-2, f"rel err {err}"
+        assert (y.float() - ref).abs().max().item() <= 2 * (ref.abs().max().item() * 2**-7 + 1e-3)
+    assert torch.isfinite(y).all()
+
+
+def test_wrapper_dispatches_to_triton_and_covers_logits():
+    """PunicaWrapper on CUDA picks the kernels once; add_lora_linear and add_lora_logits match the reference."""
+    g = torch.Generator().manual_seed(3)
+    S, R, T, H, V = 6, 16, 50, 256, 1000
+    ranks = [16, 8, 0, 4, 16, 12]
+    pw = PunicaWrapper(S, DEV)
+    assert pw.backend == "triton"
+    slots = torch.randint(-1, S, (T,), generator=g).tolist()
+    logit_slots = [5, -1, 0, 3, 1, 1, -1, 4]
+    a, b = stacked(g, S, R, H, V, ranks, torch.float32)
+    h = torch.randn(len(logit_slots), H, generator=g).to(DEV, torch.bfloat16)
+    y0 = torch.randn(len(logit_slots), V, generator=g).to(DEV)
+    mapping = LoRAMapping.build(slots, logit_slots, DEV)
+    y = y0.clone()
+    with forward_context(lora=mapping):
+        pw.add_lora_logits(y, h, a, b, ranks)
+    ref = reference(y0, h, (a,), (b,), mapping.logit_segments, ranks)
+    assert rel_err(y - y0, ref - y0) < 2e-3  # bf16 activations: tf32 products, fp32 accumulation
+
+    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+    out0 = torch.randn(T, V, generator=g).to(DEV, torch.bfloat16)
+    with forward_context(lora=mapping):
+        out = pw.apply_lora_linear(out0.clone(), x, (a,), (b,), (V,), ranks)
+    ref = reference(out0, x, (a,), (b,), mapping.token_segments, ranks).to(torch.bfloat16)
+    assert (out.float() - ref.float()).abs().max().item() <= ref.float().abs().max().item() * 2**-7
+
+
+def test_rank_change_is_seen():
+    """A slot rewritten with another rank (set_lora after an eviction) is picked up by the cached ranks."""
+    g = torch.Generator().manual_seed(4)
+    S, R, T, H, N = 4, 32, 20, 128, 256
+    ranks = [32, 16, 8, 4]
+    ops = TritonLoRAOps(DEV)
+    slots = torch.randint(0, S, (T,), generator=g).tolist()
+    mapping = LoRAMapping.build(slots, [], DEV)
+    for _ in range(2):
+        a, b = stacked(g, S, R, H, N, ranks, torch.float32)
+        x = torch.randn(T, H, generator=g).to(DEV)
+        y0 = torch.randn(T, N, generator=g).to(DEV)
+        y = y0.clone()
+        ops.add_lora_linear(y, x, (a,), (b,), ranks, meta_of(mapping))
+        ref = reference(y0, x, (a,), (b,), mapping.token_segments, ranks)
+        assert rel_err(y - y0, ref - y0) < 1e-5
+        ranks[1], ranks[3] = 4, 32  # the same list object, changed in place, as layers do
+
+
+def test_embedding_lora_matches_reference():
+    g = torch.Generator().manual_seed(5)
+    S, R, T, V, H = 5, 16, 40, 300, 128
+    ranks = [16, 0, 4, 9, 16]
+    slots = torch.randint(-1, S, (T,), generator=g).tolist()
+    emb_a = (torch.randn(S, V, R, generator=g) * 0.1).to(DEV)
+    b = (torch.randn(S, 1, H, R, generator=g) * 0.1).to(DEV)
+    for s, r in enumerate(ranks):
+        emb_a[s, :, r:] = 0  # A^T columns past the rank are zero, as set_lora leaves them
+        b[s, :, :, r:] = 1e4
+    ids = torch.randint(0, V, (T,), generator=g).to(DEV)
+    y0 = torch.randn(T, H, generator=g).to(DEV)
+    mapping = LoRAMapping.build(slots, [], DEV)
+    y, ref = y0.clone(), y0.clone()
+    TritonLoRAOps(DEV).add_lora_embedding(y, ids, emb_a, b, ranks, mapping.token_slots, meta_of(mapping))
+    torch_ops.lora_embedding(ref, ids, emb_a, b, mapping.token_segments, ranks)
+    assert rel_err(y - y0, ref - y0) < 1e-5
