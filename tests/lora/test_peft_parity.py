@@ -151,3 +151,13 @@ def test_unembed_tokens_is_lm_head(bases, adapters, engines, tmp_path):
     ref = peft_model(bases[("qwen2", True)], {"lm_head_only_tied": src})
     for p, o in zip(PROMPTS, outs):
         assert max_logprob_diff(ref, o, p) < ATOL
+
+
+def test_bf16_lora_weights_stay_close_to_peft(bases, adapters):
+    """lora_dtype='bfloat16' (half the slot memory) serves the adapter within bf16 rounding of PEFT."""
+    key = ("llama", False)
+    llm = LLM(str(bases[key]), enable_lora=True, max_loras=2, max_lora_rank=16, lora_dtype="bfloat16")
+    outs = llm.generate(_prompts(), SP, lora_request=LoRARequest("all_linear", 2, str(adapters["all_linear"])))
+    ref = peft_model(bases[key], {"all_linear": adapters["all_linear"]})
+    for p, o in zip(PROMPTS, outs):
+        assert max_logprob_diff(ref, o, p) < 2e-2

@@ -22,7 +22,7 @@ def lora_shrink(
         if r == 0:
             continue
         a = lora_a[slot, 0, :r]  # (r, in)
-        out[idx, :r] = x[idx].to(a.dtype) @ a.t()
+        out[idx, :r] = (x[idx].to(a.dtype) @ a.t()).to(out.dtype)
 
 
 def lora_expand(
