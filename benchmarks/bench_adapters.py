@@ -146,6 +146,11 @@ def run_ttft(base: Path, reqs: list[LoRARequest]) -> tuple[float, float]:
     return cold, resident
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_rank_cost(device: torch.device, tokens: int = 256, reps: int = 20) -> tuple[float, float]:
     """ms per add_lora_linear: 8 rank-8 + 8 rank-64 slots, own ranks vs all padded to 64."""
     S, R, n_in, n_out = 16, 64, 4096, 4096
@@ -162,9 +167,11 @@ def run_rank_cost(device: torch.device, tokens: int = 256, reps: int = 20) -> tu
     for ranks in (own, padded):
         with forward_context(lora=mapping):
             punica.add_lora_linear(y, x, a, b, (n_out,), ranks)
+            _sync(device)
             t = time.perf_counter()
             for _ in range(reps):
                 punica.add_lora_linear(y, x, a, b, (n_out,), ranks)
+            _sync(device)
             out.append((time.perf_counter() - t) / reps * 1e3)
     return out[0], out[1]
 
@@ -185,7 +192,7 @@ def main() -> None:
             LoRARequest(f"a{i}", i + 1, make_adapter(root / f"a{i}", i, 8 if i % 2 else 16))
             for i in range(512)
         ]
-        print(f"made 512 adapters in {time.perf_counter() - t:.1f}s")
+        print(f"made 512 adapters in {time.perf_counter() - t:.1f}s; device {'cuda' if torch.cuda.is_available() else 'cpu'}")
         rows = run_throughput(base, reqs, args)
         head = f"{'adapters':>8} {'traffic':>8} {'distinct':>8} {'base tok/s':>10} {'tok/s':>8} {'vs base':>8}"
         print(f"\n{head} {'slot loads':>10} {'disk loads':>10}")
@@ -198,7 +205,7 @@ def main() -> None:
         print(
             f"\nTTFT resident adapter {resident * 1e3:.1f} ms, cold adapter (disk -> host -> slot) {cold * 1e3:.1f} ms"
         )
-        own, padded = run_rank_cost(torch.device("cpu"))
+        own, padded = run_rank_cost(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         print(
             f"\nLoRA op, 256 tokens, 8 rank-8 + 8 rank-64 adapters: own ranks {own:.2f} ms, padded to 64 {padded:.2f} ms "
             f"(ratio {own / padded:.2f})"
