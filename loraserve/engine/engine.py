@@ -330,8 +330,13 @@ class LLMEngine:
                 self.abort_request(rid)
             raise
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for o in self.step():
-                if o.finished:
-                    done[o.request_id] = o
+        try:
+            while len(done) < len(ids):
+                for o in self.step():
+                    if o.finished:
+                        done[o.request_id] = o
+        except BaseException:
+            for rid in ids:  # a failed step must not leave this call's requests in the engine
+                self.abort_request(rid)
+            raise
         return [done[r] for r in ids]

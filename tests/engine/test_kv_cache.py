@@ -239,3 +239,34 @@ def test_request_that_outgrows_the_whole_cache_is_refused_not_hung(small_llm):
     outs = step_all(small_llm.engine, check=True)
     assert [len(o.outputs[0].token_ids) for o in outs if o.finished] == [23]
     assert_clean(small_llm)
+
+
+def test_a_failing_step_leaves_nothing_behind(tmp_path, monkeypatch):
+    """If a forward raises inside generate(), its requests are aborted and their blocks freed."""
+    from helpers import make_tiny_model
+
+    from loraserve import LLM, SamplingParams
+
+    make_tiny_model(tmp_path / "m", "llama")
+    llm = LLM(str(tmp_path / "m"))
+    eng = llm.engine
+    calls = {"n": 0}
+    real = eng.runner.run
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real(batch)
+
+    monkeypatch.setattr(eng.runner, "run", flaky)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    try:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, sp)
+        raise AssertionError("the failure should propagate")
+    except RuntimeError as e:
+        assert "boom" in str(e)
+    assert not eng.has_unfinished_requests() and not eng.requests
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp)  # and the engine serves on
+    assert len(out[0].outputs[0].token_ids) == 8
