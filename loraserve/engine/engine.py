@@ -23,14 +23,7 @@ from loraserve.engine.scheduler import ScheduledBatch, Scheduler
 from loraserve.engine.sequence import Request, Sequence
 from loraserve.engine.worker import EngineDeadError, start_tensor_parallel
 from loraserve.lora.request import LoRARequest
-from loraserve.models.loader import (
-    default_dtype,
-    init_dummy_weights,
-    iterate_safetensors,
-    load_weights,
-    resolve_model_dir,
-)
-from loraserve.models.registry import get_model_class
+from loraserve.models.loader import build_model, resolve_model_dir
 from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
 from loraserve.sampling import SamplingParams
 
@@ -55,14 +48,9 @@ class LLMEngine:
         torch.manual_seed(mc.seed)
         # tensor parallelism (engine/worker.py): None at TP=1; under torchrun, ranks > 0 serve here and exit
         self.workers = start_tensor_parallel(config, self.model_dir)
-        model_cls = get_model_class(self.hf_config)
-        with torch.device(self.device), default_dtype(self.dtype):
-            self.model = model_cls(self.hf_config)
-        if mc.load_format == "dummy":
-            init_dummy_weights(self.model, mc.seed)
-        else:
-            load_weights(self.model, iterate_safetensors(self.model_dir, progress=progress))
-        self.model.eval()
+        self.model = build_model(
+            self.hf_config, self.model_dir, self.device, self.dtype, mc.load_format, mc.seed, progress
+        )
 
         self.lora_manager = None
         if config.lora is not None:

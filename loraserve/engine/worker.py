@@ -278,13 +278,7 @@ class Worker:
     def __init__(self, config: EngineConfig, model_dir, device: torch.device):
         from transformers import AutoConfig
 
-        from loraserve.models.loader import (
-            default_dtype,
-            init_dummy_weights,
-            iterate_safetensors,
-            load_weights,
-        )
-        from loraserve.models.registry import get_model_class
+        from loraserve.models.loader import build_model
 
         self.config = config
         self.device = device
@@ -295,14 +289,7 @@ class Worker:
         hf_config = AutoConfig.from_pretrained(str(model_dir))
         self.dtype = resolve_dtype(mc.dtype, getattr(hf_config, "dtype", None), device)
         torch.manual_seed(mc.seed)
-        with torch.device(device), default_dtype(self.dtype):
-            self.model = get_model_class(hf_config)(hf_config)
-        # NOTE: built as LLMEngine.__init__ builds rank 0's model; keep the two in step
-        if mc.load_format == "dummy":
-            init_dummy_weights(self.model, mc.seed)
-        else:
-            load_weights(self.model, iterate_safetensors(model_dir, progress=False))
-        self.model.eval()
+        self.model = build_model(hf_config, model_dir, device, self.dtype, mc.load_format, mc.seed)
         self.lora_manager = None
         if config.lora is not None:
             from loraserve.lora.manager import LoRAManager

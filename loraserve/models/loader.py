@@ -188,3 +188,19 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+def build_model(hf_config, model_dir: Path, device: torch.device, dtype: torch.dtype, load_format: str, seed: int,
+                progress: bool = False) -> nn.Module:
+    """Instantiate the registered model class for hf_config on device/dtype and fill its weights
+    (this rank's shards): from the checkpoint, or random ones for load_format="dummy". Every rank builds
+    its model here, so rank 0 and the tensor-parallel workers cannot drift apart."""
+    from loraserve.models.registry import get_model_class
+
+    with torch.device(device), default_dtype(dtype):
+        model = get_model_class(hf_config)(hf_config)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, iterate_safetensors(Path(model_dir), progress=progress))
+    return model.eval()
