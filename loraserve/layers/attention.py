@@ -27,6 +27,8 @@ def reference_paged_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """q (T, Hq, D) over the cache -> (T, Hq, D)."""
+    if md.num_seqs > 1 and md.max_query_len == 1:
+        return _batched_decode(q, k_cache, v_cache, md, scale, sliding_window)
     out = torch.empty_like(q)
     for i in range(md.num_seqs):
         s, n, L = md.query_starts[i], md.query_lens[i], md.context_lens[i]
@@ -41,6 +43,37 @@ def reference_paged_attention(
             mask &= q_pos - k_pos < sliding_window
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s : s + n] = o.transpose(0, 1)
+    return out
+
+
+def _decode_gather(md: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, Lmax) cache slots of every sequence, padded with slot 0, and the (B, Lmax) valid mask;
+    built once per forward and shared by all layers."""
+    cached = md.gpu_cache.get("decode_gather")
+    if cached is None:
+        lmax = max(md.context_lens)
+        slots = torch.zeros(md.num_seqs, lmax, dtype=torch.long, device=device)
+        for i, sl in enumerate(md.kv_slots):
+            slots[i, : sl.numel()] = sl
+        valid = torch.arange(lmax, device=device)[None, :] < torch.tensor(md.context_lens, device=device)[:, None]
+        cached = md.gpu_cache["decode_gather"] = (slots, valid)
+    return cached
+
+
+def _batched_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float, sliding_window: int | None):
+    """One query token per sequence: one SDPA over the padded batch instead of one per sequence."""
+    slots, valid = _decode_gather(md, q.device)
+    mask = valid
+    if sliding_window is not None:  # the query sits at position context_len - 1
+        k_pos = torch.arange(slots.shape[1], device=q.device)[None, :]
+        q_pos = torch.tensor(md.context_lens, device=q.device)[:, None] - 1
+        mask = mask & (q_pos - k_pos < sliding_window)
+    ks = k_cache[slots].permute(0, 2, 1, 3)  # (B, Hk, L, D)
+    vs = v_cache[slots].permute(0, 2, 1, 3)
+    qs = q[torch.tensor(md.query_starts, device=q.device)][:, :, None, :]  # (B, Hq, 1, D)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    out = torch.empty_like(q)
+    out[torch.tensor(md.query_starts, device=q.device)] = o[:, :, 0, :]
     return out
 
 
