@@ -18,9 +18,11 @@ weights.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from contextlib import nullcontext
 
 import torch
@@ -232,12 +234,10 @@ class LoRAManager:
 
     def wait_for_loads(self, timeout: float = 0.05) -> None:
         """Block briefly on an in-flight parse (used only when nothing else can run)."""
-        for fut in list(self._loading.values()):
-            try:
+        fut = next(iter(self._loading.values()), None)
+        if fut is not None:
+            with contextlib.suppress(FuturesTimeout):  # still parsing: the caller just tries again
                 fut.exception(timeout=timeout)
-            except Exception:
-                pass
-            return
 
     def _host_get(self, lid: int) -> PackedAdapter:
         """The host copy, parsing synchronously if needed (only for paths off the step loop)."""
