@@ -11,13 +11,18 @@ logits = x W_g^T in the model dtype; p = softmax(logits in fp32); (w, ids) = top
 the same fp32 tensor, so ties break as HF's do); w /= sum(w) when ``renormalize``; w is cast back to
 the logits dtype unless ``weights_fp32`` (Mixtral keeps fp32 weights and multiplies in fp32).
 
-The CPU path sorts the (token, expert) assignments by expert and runs one matmul pair per expert
-that has tokens, and adds each expert's weighted output in expert order, as HF's eager experts do. ``expert_hook`` lets the LoRA wrapper add its per-(slot, expert) deltas inside each
-expert's computation (before the activation for w13, before the routing weight for w2).
+Two paths compute the experts (``backend``):
+- torch (the CPU, and the reference): sort the (token, expert) assignments by expert, one matmul pair
+  per expert that has tokens, each expert's weighted output added in expert order, as HF's eager
+  experts do. An ``ExpertHook`` lets the LoRA wrapper add its per-(slot, expert) deltas inside each
+  expert's computation (before the activation for w13, before the routing weight for w2).
+- triton (CUDA, when triton is installed): ``layers/triton_moe.py``, a grouped GEMM over
+  expert-aligned blocks, no host sync (CUDA-graph capturable); its hook sees all assignments at once.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,6 +49,9 @@ class RoutingConfig:
     renormalize: bool  # HF: norm_topk_prob (Qwen2/3-MoE, OLMoE); always for Mixtral
     # Mixtral: the top-k weights stay fp32; the others cast them to the logits dtype
     weights_fp32: bool = False
+
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 class ExpertHook(Protocol):
@@ -98,6 +106,14 @@ class FusedMoE(nn.Module):
         self.down_proj.weight_loader = self.weight_loader
         # what HF (and so checkpoints and PEFT's target_parameters) calls these two parameters
         self.hf_param_names = ("gate_up_proj" if gated else "up_proj", "down_proj")
+        self.backend = "auto"  # "torch" | "triton" | "auto" (triton on CUDA when installed)
+
+    def use_triton(self, x: torch.Tensor) -> bool:
+        if self.backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"FusedMoE.backend must be 'auto', 'torch' or 'triton', not {self.backend!r}")
+        if self.backend == "auto":
+            return x.is_cuda and _HAS_TRITON
+        return self.backend == "triton"
 
     # ---- weights ----------------------------------------------------------------------------------
     def w13_rows(self, shard: int) -> torch.Tensor | slice:
@@ -212,6 +228,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.select_experts(router_logits)
+        if self.use_triton(x):
+            from loraserve.layers.triton_moe import fused_experts  # NOTE: lazy: CPU installs have no triton
+
+            return self.finish(fused_experts(self, x, weights, ids))
         return self.finish(self.experts_forward(x, weights, ids))
 
 

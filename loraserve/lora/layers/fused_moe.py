@@ -202,10 +202,18 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
-        weights, ids = base.select_experts(router_logits)
         mapping = current_lora_mapping()
-        if mapping is None or not any(self.adapter_enabled[s] for s in mapping.active_slots):
-            return base.finish(base.experts_forward(x, weights, ids))
+        # NOTE: a static mapping (CUDA graphs) serves whatever adapters later replays bring: the LoRA
+        # path must be captured even if no slot has expert LoRA now (else later deltas are dropped)
+        static = mapping is not None and mapping.token_meta is not None and mapping.token_meta.static
+        if mapping is None or (not static and not any(self.adapter_enabled[s] for s in mapping.active_slots)):
+            return base(x, router_logits)
+        weights, ids = base.select_experts(router_logits)
+        if base.use_triton(x):
+            from loraserve.layers.triton_moe import fused_experts  # NOTE: lazy: CPU installs have no triton
+
+            hook = _TritonExpertLoRAHook(self, mapping.token_slots, self._ranks_on(x.device))
+            return base.finish(fused_experts(base, x, weights, ids, hook=hook))
         T, k = ids.shape
         S, E = self.max_loras, base.num_experts
         enabled = torch.tensor(self.adapter_enabled + [False], device=x.device)  # index -1 = base
@@ -217,9 +225,59 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         hook = _ExpertLoRAHook(self, counts)
         return base.finish(base.experts_forward(x, weights, ids, hook=hook, order=order))
 
+    def _ranks_on(self, device: torch.device) -> torch.Tensor:
+        """The per-slot ranks as int32 on the device: the punica kernels' copy (refreshed before every
+        CUDA-graph replay) when there is one, else a fresh copy."""
+        kernels = self.punica_wrapper.kernels if self.punica_wrapper is not None else None
+        if kernels is not None and hasattr(kernels, "ranks_tensor"):
+            return kernels.ranks_tensor(self.slot_ranks)
+        return torch.tensor(self.slot_ranks, dtype=torch.int32).to(device)
+
     @classmethod
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None) -> bool:
         return isinstance(source_layer, FusedMoE)
+
+
+class _TritonExpertLoRAHook:
+    """The GPU hook of ``fused_experts``: the assignments of tokens whose slot has LoRA here, aligned by
+    (slot, expert), then per projection one shrink and one expand launch for all its slices. Slots
+    without LoRA (rank 0) and base tokens (slot -1) are excluded on the device: no host sync."""
+
+    def __init__(self, layer: FusedMoEWithLoRA, token_slots: torch.Tensor, ranks: torch.Tensor):
+        self.layer = layer
+        self.token_slots = token_slots  # (T,) long, -1 = base
+        self.ranks = ranks  # (S,) int32
+        self._blocks = None
+
+    def blocks(self, ids: torch.Tensor):
+        from loraserve.layers.moe_align import align_by_group, pick_block_m
+
+        if self._blocks is None:
+            T, k = ids.shape
+            S, E = self.layer.max_loras, self.layer.base_layer.num_experts
+            slots = self.token_slots[:, None].expand(T, k).reshape(-1)  # (T*k,) slot of each assignment
+            has_lora = torch.cat([self.ranks > 0, self.ranks.new_zeros(1, dtype=torch.bool)])  # [S] = base
+            use = has_lora[torch.where(slots >= 0, slots, S)]
+            groups = torch.where(use, slots.clamp(min=0) * E + ids.reshape(-1), S * E)
+            self._blocks = align_by_group(groups, S * E, pick_block_m(T * k, S * E))
+        return self._blocks
+
+    def w13(self, h: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> None:
+        from loraserve.lora.ops.triton.fused_moe_lora import moe_lora_expand, moe_lora_shrink
+
+        layer, base = self.layer, self.layer.base_layer
+        blocks, n13 = self.blocks(ids), layer.n13
+        buf = moe_lora_shrink(x, layer.lora_a_stacked[:n13], blocks, self.ranks, token_div=ids.shape[1])
+        il = base.intermediate_per_partition
+        offsets, stride = ((0, 1), 2) if base.interleaved else (tuple(i * il for i in range(n13)), 1)
+        moe_lora_expand(h, buf, layer.lora_b_stacked[:n13], blocks, self.ranks, offsets, stride, x.dtype == torch.float32)
+
+    def w2(self, y: torch.Tensor, a: torch.Tensor, ids: torch.Tensor) -> None:
+        from loraserve.lora.ops.triton.fused_moe_lora import moe_lora_expand, moe_lora_shrink
+
+        layer, blocks = self.layer, self.blocks(ids)
+        buf = moe_lora_shrink(a, layer.lora_a_stacked[-1:], blocks, self.ranks, token_div=1)
+        moe_lora_expand(y, buf, layer.lora_b_stacked[-1:], blocks, self.ranks, (0,), 1, a.dtype == torch.float32)
 
 
 class _ExpertLoRAHook:
