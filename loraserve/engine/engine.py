@@ -2,6 +2,9 @@
 
 ``step()`` is the algorithm: schedule -> run the model -> sample -> postprocess. Everything else
 (LoRA slots, KV blocks, detokenization) lives behind one object each.
+
+Sampling and logprobs run on the logits' device; only the sampled ids and the logprob numbers asked
+for come back to the host, each in one transfer per step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from loraserve.config import EngineConfig, resolve_dtype
 from loraserve.engine.detokenizer import detokenize_incrementally, find_stop_string
 from loraserve.engine.kv_cache import BlockManager
 from loraserve.engine.model_runner import ModelRunner, RunnerOutput, size_kv_cache
-from loraserve.engine.sampler import Sampler, compute_logprobs
+from loraserve.engine.sampler import Sampler, TopLogprobs, logprob_stats, unpack_logprobs
 from loraserve.engine.scheduler import ScheduledBatch, Scheduler
 from loraserve.engine.sequence import Request, Sequence
 from loraserve.engine.worker import EngineDeadError, start_tensor_parallel
@@ -106,11 +109,10 @@ class LLMEngine:
             self.lora_manager.add_adapter(lora_request)  # parses and validates now: errors before queuing
         seqs = []
         for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator().manual_seed(params.seed + i)
+            # completion i uses seed + i; its generator is made on the device when it first samples
+            seed = None if params.seed is None else params.seed + i
             seqs.append(
-                Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, lora_request, gen)
+                Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, lora_request, seed)
             )
         req = Request(request_id, prompt, list(prompt_token_ids), params, lora_request, seqs)
         self.requests[request_id] = req
@@ -179,8 +181,9 @@ class LLMEngine:
         except EngineDeadError:  # a tensor-parallel worker died mid-step: fail every request
             self._check_healthy()
             raise
-        token_ids = self._sample(out)
-        return self._postprocess(batch, out, token_ids)
+        sampled = self._sample(out)  # on the device, for logprobs
+        token_ids = sampled.tolist() if sampled is not None else []  # the step's one wait on the device
+        return self._postprocess(batch, out, sampled, token_ids)
 
     def _idle(self) -> list[RequestOutput]:
         """Nothing runnable: requests wait on adapter loads. Fail those whose reload broke, else wait a bit."""
@@ -198,13 +201,15 @@ class LLMEngine:
             self.lora_manager.wait_for_loads()
         return outs
 
-    def _sample(self, out: RunnerOutput) -> list[int]:
+    def _sample(self, out: RunnerOutput) -> torch.Tensor | None:
+        """The sampled ids (len(sample_seqs),) on the logits' device; None when no sequence samples."""
         if not out.sample_seqs:
-            return []
+            return None
+        dev = out.sample_logits.device
         params = [s.params for s in out.sample_seqs]
-        gens = [s.generator for s in out.sample_seqs]
+        gens = [s.generator_on(dev) for s in out.sample_seqs]
         banned = [self._banned_ids(s) for s in out.sample_seqs]
-        return self.sampler(out.sample_logits, params, gens, banned).tolist()
+        return self.sampler(out.sample_logits, params, gens, banned)
 
     def _banned_ids(self, seq: Sequence) -> list[int]:
         if len(seq.output_token_ids) >= seq.params.min_tokens:
@@ -214,17 +219,12 @@ class LLMEngine:
             stops |= self.eos_token_ids
         return sorted(stops)
 
-    def _postprocess(self, batch: ScheduledBatch, out: RunnerOutput, token_ids: list[int]) -> list[RequestOutput]:
+    def _postprocess(
+        self, batch: ScheduledBatch, out: RunnerOutput, sampled: torch.Tensor | None, token_ids: list[int]
+    ) -> list[RequestOutput]:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-        for seq in batch.seqs:
-            if seq.seq_id in out.prompt_logits:
-                self._record_prompt_logprobs(seq, *out.prompt_logits[seq.seq_id])
-        sample_logprobs = None
-        if out.sample_seqs and any(s.params.logprobs is not None for s in out.sample_seqs):
-            lp = torch.log_softmax(out.sample_logits.float(), dim=-1)
-            ks = [s.params.logprobs or 0 for s in out.sample_seqs]
-            sample_logprobs = compute_logprobs(lp, torch.tensor(token_ids, device=lp.device), ks)
+        sample_logprobs, row0 = self._logprobs(batch, out, sampled)
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(out.sample_seqs, token_ids)):
             if seq.prompt_logprobs is None and seq.params.prompt_logprobs is not None:
@@ -233,17 +233,47 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if sample_logprobs is not None and seq.logprobs is not None:
-                seq.logprobs.append(self._logprob_dict(sample_logprobs, i, tok))
+                seq.logprobs.append(self._logprob_dict(sample_logprobs, row0 + i, tok))
             self._check_stop(seq, tok)
         touched = {s.request_id for s in batch.seqs}
         return [self._request_output(self.requests[r]) for r in touched if r in self.requests]
 
-    def _record_prompt_logprobs(self, seq: Sequence, first_pos: int, logits: torch.Tensor) -> None:
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.tensor(seq.prompt_token_ids[first_pos + 1 : first_pos + 1 + lp.shape[0]], device=lp.device)
-        top = compute_logprobs(lp, targets, [seq.params.prompt_logprobs] * lp.shape[0])
-        for j in range(lp.shape[0]):
-            seq.prompt_logprobs_by_pos[first_pos + j] = self._logprob_dict(top, j, int(targets[j]))
+    def _logprobs(
+        self, batch: ScheduledBatch, out: RunnerOutput, sampled: torch.Tensor | None
+    ) -> tuple[TopLogprobs | None, int]:
+        """Records this step's prompt logprobs; returns the sampled tokens' and their first row.
+
+        (None, 0) when no sampling sequence asked for logprobs.
+        Computed on the logits' device, piece by piece (a prompt's logits can be large); the small
+        results of every piece come to the host in one transfer.
+        """
+        prompt = [(s, *out.prompt_logits[s.seq_id]) for s in batch.seqs if s.seq_id in out.prompt_logits]
+        want_sample = sampled is not None and any(s.params.logprobs is not None for s in out.sample_seqs)
+        if not prompt and not want_sample:
+            return None, 0
+        ks: list[int] = []
+        targets: list[list[int]] = []
+        for seq, first_pos, logits in prompt:
+            targets.append(seq.prompt_token_ids[first_pos + 1 : first_pos + 1 + logits.shape[0]])
+            ks += [seq.params.prompt_logprobs] * logits.shape[0]
+        if want_sample:
+            ks += [s.params.logprobs or 0 for s in out.sample_seqs]
+        kmax = max(ks)
+        pieces = []
+        if prompt:
+            dev = prompt[0][2].device
+            flat = torch.tensor([t for ts in targets for t in ts], dtype=torch.long).to(dev)  # one copy up
+            for (_, _, logits), ids in zip(prompt, flat.split([len(t) for t in targets])):
+                pieces.append(logprob_stats(logits, ids, kmax))
+        if want_sample:
+            pieces.append(logprob_stats(out.sample_logits, sampled, kmax))
+        top = unpack_logprobs(torch.cat(pieces) if len(pieces) > 1 else pieces[0], ks)  # one copy down
+        row = 0
+        for (seq, first_pos, _), ts in zip(prompt, targets):
+            for j, t in enumerate(ts):
+                seq.prompt_logprobs_by_pos[first_pos + j] = self._logprob_dict(top, row + j, t)
+            row += len(ts)
+        return (top if want_sample else None), row
 
     def _logprob_dict(self, top, i: int, token: int) -> dict[int, Logprob]:
         d = {

@@ -1,5 +1,10 @@
 """Sampling: greedy, temperature, top-k, top-p, min-p (HF's order), per-request seeds, logprobs.
 
+Everything runs on the logits' device, batched over rows: greedy rows are one argmax, the other
+rows go through ``apply_filters_batched`` (the vectorised ``apply_filters``, which stays the
+single-row reference) and one ``torch.multinomial`` per generator (all unseeded rows share the
+default one). Only the (B,) token ids, and the few logprob numbers asked for, reach the host.
+
 Logprobs are those of the model's distribution (log-softmax of the raw logits, before temperature
 and filters), as vLLM returns by default; the sampled token is always among them.
 """
@@ -12,6 +17,8 @@ import torch
 
 from loraserve.sampling import SamplingParams
 
+NEG_INF = float("-inf")
+
 
 @dataclass
 class TopLogprobs:
@@ -23,44 +30,123 @@ class TopLogprobs:
     top_logprobs: list[list[float]]
 
 
-def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> TopLogprobs:
-    """logprobs (B, V) fp32, token_ids (B,), ks[i] = top-k wanted for row i."""
-    chosen = logprobs.gather(1, token_ids[:, None])  # (B, 1)
-    ranks = (logprobs > chosen).sum(dim=1) + 1
-    kmax = max(ks) if ks else 0
-    if kmax > 0:
-        top_lp, top_id = logprobs.topk(kmax, dim=1)
-        top_ids = [top_id[i, : ks[i]].tolist() for i in range(len(ks))]
-        top_lps = [top_lp[i, : ks[i]].tolist() for i in range(len(ks))]
-    else:
-        top_ids, top_lps = [[] for _ in ks], [[] for _ in ks]
-    return TopLogprobs(chosen[:, 0].tolist(), ranks.tolist(), top_ids, top_lps)
+def logprob_stats(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """logits (n, V), token_ids (n,) on the same device -> (n, 2 + 2k) fp64 on that device.
+
+    Columns: the token's logprob, its rank (1 = most likely), the top-k logprobs, the top-k ids.
+    NOTE: fp64 holds the fp32 logprobs and every id / rank exactly, so one tensor is one transfer.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, token_ids[:, None])  # (n, 1)
+    ranks = (lp > chosen).sum(dim=1, keepdim=True) + 1  # (n, 1)
+    top_lp, top_id = lp.topk(k, dim=1)  # (n, k)
+    return torch.cat([chosen.double(), ranks.double(), top_lp.double(), top_id.double()], dim=1)
+
+
+def unpack_logprobs(stats: torch.Tensor, ks: list[int]) -> TopLogprobs:
+    """Rows of ``logprob_stats`` (any k >= max(ks)) -> host lists, row i keeping its top ks[i]. One transfer."""
+    kmax = (stats.shape[1] - 2) // 2
+    rows = stats.tolist()
+    return TopLogprobs(
+        [r[0] for r in rows],
+        [int(r[1]) for r in rows],
+        [[int(t) for t in r[2 + kmax : 2 + kmax + k]] for r, k in zip(rows, ks)],
+        [r[2 : 2 + k] for r, k in zip(rows, ks)],
+    )
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> TopLogprobs:
+    """logits (B, V), token_ids (B,), ks[i] = top-k wanted for row i."""
+    return unpack_logprobs(logprob_stats(logits, token_ids, max(ks, default=0)), ks)
 
 
 def apply_filters(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """One row (V,) of logits -> temperature-scaled logits with filtered-out tokens at -inf."""
+    """One row (V,) of logits -> temperature-scaled logits with filtered-out tokens at -inf.
+
+    The reference semantics, one row at a time; the sampler runs ``apply_filters_batched``, which
+    tests hold equal to this. Among equal logits the lower token id sorts first (top-p ties).
+    """
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = logits.topk(p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.masked_fill(logits < kth, NEG_INF)
     if p.top_p < 1.0:
-        sorted_logits, idx = logits.sort(descending=True)
+        sorted_logits, idx = logits.sort(descending=True, stable=True)
         probs = sorted_logits.softmax(-1)
         # keep a token if the mass strictly before it is < top_p (the first token is always kept)
         mass_before = probs.cumsum(-1) - probs
         remove_sorted = mass_before >= p.top_p
         remove = torch.zeros_like(remove_sorted).scatter(0, idx, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
+        logits = logits.masked_fill(remove, NEG_INF)
     if p.min_p > 0.0:
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), NEG_INF)
     return logits
+
+
+def apply_filters_batched(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``apply_filters`` on every row at once: logits (n, V), params[i] for row i (none greedy).
+
+    Vectorised over rows: one host->device copy of the params, at most one sort, no per-row kernels.
+    Which filters run at all is decided on the host from ``params``, so nothing syncs.
+    """
+    n, V = logits.shape
+    assert len(params) == n, (len(params), n)
+    use_k = [0 < p.top_k < V for p in params]
+    use_p = [p.top_p < 1.0 for p in params]
+    use_m = [p.min_p > 0.0 for p in params]
+    # NOTE: top_k as a float: every k <= V fits fp32 exactly, so the params are one (4, n) copy
+    table = torch.tensor(
+        [
+            [p.temperature for p in params],
+            [p.top_k if u else V for p, u in zip(params, use_k)],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+        ],
+        dtype=torch.float32,
+    ).to(logits.device)
+    temperature, top_k, top_p, min_p = table[:, :, None]  # each (n, 1)
+    x = logits / temperature
+    if any(use_p):
+        # one sort serves both filters: the k-th largest value, then top-p over the top-k
+        # survivors, whose sorted order is the same prefix (the cut values all sort behind)
+        sorted_x, idx = x.sort(dim=-1, descending=True, stable=True)  # (n, V)
+        if any(use_k):
+            kth = sorted_x.gather(1, top_k.long() - 1)  # (n, 1); -inf where top_k is off (k = V)
+            kth = kth.masked_fill(top_k >= V, NEG_INF)
+            x = x.masked_fill(x < kth, NEG_INF)
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, NEG_INF)
+        probs = sorted_x.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        # NOTE: rows with top_p = 1 are excluded explicitly: their float mass can exceed 1
+        remove_sorted = (mass_before >= top_p) & (top_p < 1.0)  # (n, V)
+        remove = torch.zeros_like(remove_sorted).scatter(1, idx, remove_sorted)
+        x = x.masked_fill(remove, NEG_INF)
+    elif any(use_k):
+        kmax = max(p.top_k for p, u in zip(params, use_k) if u)
+        vals = x.topk(kmax, dim=-1).values  # (n, kmax)
+        kth = vals.gather(1, top_k.long().clamp(max=kmax) - 1)  # (n, 1)
+        kth = kth.masked_fill(top_k >= V, NEG_INF)
+        x = x.masked_fill(x < kth, NEG_INF)
+    if any(use_m):
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), NEG_INF)
+    return x
 
 
 class Sampler:
     def __init__(self, seed: int = 0):
-        self.default_generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._default: dict[torch.device, torch.Generator] = {}  # per device, made at first use
 
+    def default_generator(self, device: torch.device) -> torch.Generator:
+        """The generator of unseeded rows on ``device``, seeded with the engine seed."""
+        gen = self._default.get(device)
+        if gen is None:
+            gen = self._default[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
+
+    @torch.inference_mode()
     def __call__(
         self,
         logits: torch.Tensor,
@@ -68,21 +154,32 @@ class Sampler:
         generators: list[torch.Generator | None],
         banned_ids: list[list[int]] | None = None,
     ) -> torch.Tensor:
-        """logits (B, V) fp32 -> sampled token ids (B,) on the CPU.
+        """logits (B, V) -> sampled token ids (B,) long, on the logits' device.
 
+        generators[i]: row i's own generator (on that device), or None for the default one.
         banned_ids[i]: tokens row i may not produce now (stop tokens before min_tokens).
         """
-        logits = logits.float().cpu()
+        dev = logits.device
+        logits = logits.float()
         if banned_ids is not None and any(banned_ids):
-            logits = logits.clone()  # may be an inference-mode tensor (or the runner's own): no in-place
-            for i, ids in enumerate(banned_ids):
-                if ids:
-                    logits[i, ids] = float("-inf")
+            rc = [(i, t) for i, ids in enumerate(banned_ids) for t in ids]
+            rows, cols = torch.tensor(rc, dtype=torch.long).T.to(dev)
+            logits = logits.index_put((rows, cols), torch.full((), NEG_INF, device=dev))  # out of place
         out = logits.argmax(dim=-1)
-        for i, p in enumerate(params):
-            if p.greedy:
-                continue
-            probs = apply_filters(logits[i], p).softmax(-1)
-            gen = generators[i] or self.default_generator
-            out[i] = torch.multinomial(probs, 1, generator=gen)[0]
-        return out
+        # non-greedy rows, grouped by generator (every unseeded row shares the default one) and
+        # ordered by group, so each group is one multinomial on a contiguous slice
+        groups: dict[int, tuple[torch.Generator, list[int]]] = {}
+        for i, (p, g) in enumerate(zip(params, generators)):
+            if not p.greedy:
+                g = g if g is not None else self.default_generator(dev)
+                groups.setdefault(id(g), (g, []))[1].append(i)
+        if not groups:
+            return out
+        order = [i for _, rows in groups.values() for i in rows]
+        rows = torch.tensor(order, dtype=torch.long).to(dev)
+        probs = apply_filters_batched(logits[rows], [params[i] for i in order]).softmax(-1)  # (n, V)
+        draws, start = [], 0
+        for g, group in groups.values():
+            draws.append(torch.multinomial(probs[start : start + len(group)], 1, generator=g)[:, 0])
+            start += len(group)
+        return out.index_copy(0, rows, torch.cat(draws))

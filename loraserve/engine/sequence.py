@@ -27,7 +27,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     lora_request: LoRARequest | None = None
-    generator: torch.Generator | None = None
+    seed: int | None = None  # sampling seed (the request's seed + index); None = the engine's generator
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -43,12 +43,19 @@ class Sequence:
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prefix_offset = max(len(self.prompt_token_ids) - 5, 0)
         self.read_offset = len(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+
+    def generator_on(self, device: torch.device) -> torch.Generator | None:
+        """The seeded generator, made on the sampling ``device`` at first use; None when unseeded."""
+        if self.seed is not None and self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generator
 
     @property
     def lora_int_id(self) -> int:

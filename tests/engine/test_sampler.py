@@ -14,7 +14,7 @@ import torch
 from helpers import VOCAB, hf_logprobs, make_tiny_model
 
 from loraserve import LLM, SamplingParams
-from loraserve.engine.sampler import Sampler, apply_filters
+from loraserve.engine.sampler import Sampler, apply_filters, apply_filters_batched, compute_logprobs
 from loraserve.sampling import SamplingParamsError
 
 # ---- filters on a small vocabulary ---------------------------------------------------------------
@@ -133,6 +133,105 @@ def test_same_generator_seed_same_draws_different_seed_different_draws():
     assert draw(7) != draw(8)
 
 
+# ---- the batched filters equal the single-row reference ------------------------------------------
+def random_params(g: torch.Generator, n: int, V: int) -> list[SamplingParams]:
+    """Mixed filters per row, each often off, k sometimes >= V."""
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    return [
+        SamplingParams(
+            temperature=pick([0.3, 0.7, 1.0, 1.9]),
+            top_k=pick([0, 0, 1, 2, 5, V - 1, V, V + 3]),
+            top_p=pick([1.0, 1.0, 0.05, 0.5, 0.8, 0.95]),
+            min_p=pick([0.0, 0.0, 0.05, 0.3, 0.9]),
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_batched_filters_equal_apply_filters_row_by_row(ties):
+    g = torch.Generator().manual_seed(int(ties))
+    checked = {"k": 0, "p": 0, "m": 0}
+    for _ in range(60):
+        n = int(torch.randint(1, 10, (1,), generator=g))
+        V = [8, 64, 500][int(torch.randint(3, (1,), generator=g))]
+        if ties:  # few distinct values: ties at the k-th value and across the top-p boundary
+            logits = torch.randint(-3, 3, (n, V), generator=g).float()
+        else:
+            logits = torch.randn(n, V, generator=g) * 3
+        logits[torch.rand(n, V, generator=g) < 0.05] = float("-inf")  # banned tokens
+        logits[:, 0] = 1.0  # at least one token allowed per row
+        params = random_params(g, n, V)
+        got = apply_filters_batched(logits, params)
+        for i, p in enumerate(params):
+            want = apply_filters(logits[i], p)
+            assert torch.equal(got[i], want), (p, (got[i] != want).nonzero())
+            checked["k"] += 0 < p.top_k < V and bool(torch.isinf(want).sum() > torch.isinf(logits[i]).sum())
+            checked["p"] += p.top_p < 1
+            checked["m"] += p.min_p > 0
+    assert min(checked.values()) >= 20  # every filter was exercised, and top-k really cut
+
+
+def test_off_filters_change_nothing_but_temperature():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=g)
+    on = SamplingParams(temperature=0.8, top_k=3, top_p=0.5, min_p=0.2)
+    off = [
+        SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0),
+        SamplingParams(temperature=0.8, top_k=300),  # k >= V is off too
+        SamplingParams(temperature=0.8, top_k=-1),
+    ]
+    params = [off[0], on, off[1], on, off[2], on]  # batched with rows whose filters are on
+    got = apply_filters_batched(logits, params)
+    for i in (0, 2, 4):
+        assert torch.equal(got[i], logits[i] / 0.8)
+    for i in (1, 3, 5):
+        assert int(torch.isfinite(got[i]).sum()) < 3
+
+
+def test_sampler_mixed_batch_seeded_rows_do_not_depend_on_the_batch():
+    """Greedy rows take the argmax; a seeded row draws the same alone as inside any batch."""
+    g = torch.Generator().manual_seed(0)
+    V = 50
+    logits = torch.randn(6, V, generator=g)
+    hot = SamplingParams(temperature=1.5, top_p=0.9)
+    params = [SamplingParams(temperature=0), hot, hot, SamplingParams(temperature=0), hot, hot]
+
+    def draws(seed_a, seed_b, rows=range(6)):
+        gens = {1: seed_a, 4: seed_b}
+        gens = [torch.Generator().manual_seed(gens[i]) if i in gens else None for i in rows]
+        return Sampler(seed=1)(logits[list(rows)], [params[i] for i in rows], gens).tolist()
+
+    out = draws(7, 8)
+    assert out[0] == int(logits[0].argmax()) and out[3] == int(logits[3].argmax())
+    seq_a = [draws(7, 8)[1] for _ in range(3)]
+    assert len(set(seq_a)) == 1  # a fresh generator of the same seed: the same token
+    assert draws(7, 8, rows=[1])[0] == out[1]  # alone
+    assert draws(7, 99, rows=[5, 1, 4])[1] == out[1]  # other rows, other order, other seeds
+    many = {tuple(draws(s, s + 1)) for s in range(20)}
+    assert len(many) > 1  # different seeds, different draws
+
+
+def test_sampler_returns_ids_on_the_logits_device():
+    logits = LOGITS.expand(3, 8).clone()
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(top_k=2)]
+    out = Sampler()(logits, params, [None] * 3, [[1], [], [1, 5]])
+    assert out.device == logits.device and out.dtype == torch.long and out.shape == (3,)
+    assert out[0] == 5 and out[2] in (3, 7)  # top-2 after banning 1 and 5: {3, 7}
+
+
+def test_compute_logprobs_per_row_top_k():
+    lp = torch.log_softmax(torch.tensor([[0.0, 2.0, 1.0, 2.0], [3.0, 0.0, 1.0, -1.0]]), dim=-1)
+    top = compute_logprobs(lp, torch.tensor([2, 3]), [2, 0])
+    assert top.token_rank == [3, 4]  # two ties ahead of token 2 in row 0
+    assert top.token_logprob == pytest.approx([lp[0, 2].item(), lp[1, 3].item()])
+    assert top.top_ids[1] == [] and top.top_logprobs[1] == []
+    assert set(top.top_ids[0]) == {1, 3} and top.top_logprobs[0] == pytest.approx([lp[0, 1].item()] * 2)
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -185,6 +284,17 @@ def test_seeded_generate_is_reproducible(tiny):
         [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s) for s in (11, 3, 11)],
     )
     assert batch[0].outputs[0].token_ids == batch[2].outputs[0].token_ids == a[0]
+
+
+def test_seeded_generators_are_made_on_the_sampling_device(tiny):
+    _, _, llm = tiny
+    eng = llm.engine
+    eng.add_request("g", None, SamplingParams(temperature=1.0, max_tokens=4, seed=3, n=2), PROMPT)
+    seqs = eng.requests["g"].seqs
+    assert [s.seed for s in seqs] == [3, 4] and all(s.generator is None for s in seqs)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert all(s.generator is not None and s.generator.device == eng.device for s in seqs)
 
 
 def test_unseeded_requests_follow_the_engine_seed(tiny):
