@@ -50,6 +50,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="shard the model over N processes/GPUs of this host"
     )
+    g.add_argument(
+        "--enforce-eager", action="store_true", help="never use CUDA graphs (on by default on the GPU)"
+    )
     g = p.add_argument_group("LoRA (--lora enables it)")
     g.add_argument(
         "--lora", type=_lora_arg, default=None, metavar="NAME=PATH", help="a PEFT adapter dir to apply"
@@ -143,6 +146,7 @@ def _make_llm(args: argparse.Namespace):
         max_cpu_loras=args.max_cpu_loras,
         tensor_parallel_size=args.tensor_parallel_size,
         fully_sharded_loras=args.fully_sharded_loras,
+        enforce_eager=args.enforce_eager,
     )
 
 

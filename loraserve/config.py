@@ -74,6 +74,8 @@ class ModelConfig:
     seed: int = 0
     device: str | None = None  # None = cuda if available, else cpu
     load_format: str = "auto"  # auto = the checkpoint's safetensors; dummy = random weights (benchmarks)
+    # False: on a CUDA device (GPU attention, TP=1) decode steps replay CUDA graphs; True: always eager
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -46,7 +46,9 @@ class LLM:
         device: str | None = None,
         progress: bool = False,
         load_format: str = "auto",
+        enforce_eager: bool = False,
     ):
+        """vLLM's arguments. enforce_eager: never use CUDA graphs (on by default on a CUDA device)."""
         lora = None
         if enable_lora:
             lora = LoRAConfig(
@@ -59,7 +61,13 @@ class LLM:
             )
         self.config = EngineConfig(
             model=ModelConfig(
-                model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device, load_format=load_format
+                model=model,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                device=device,
+                load_format=load_format,
+                enforce_eager=enforce_eager,
             ),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),

@@ -12,7 +12,9 @@ data, not shapes. Ranks live in device copies that ``refresh_ranks`` brings up t
 replay (an adapter loaded into a slot after capture changes them).
 
 Graphs are captured lazily, at the first decode step of a bucket, after one eager warm-up run of
-the same static inputs (which also compiles the Triton kernels).
+the same static inputs (which also compiles the Triton kernels). A capture that fails (a layer that
+syncs to the host, an op that cannot be captured) raises ``GraphCaptureError``; the runner then
+turns graphs off and runs the step eagerly.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import torch
 
 from loraserve.forward_context import AttentionMetadata, forward_context
 from loraserve.lora.punica import LoRAMapping, SegmentMeta
+
+
+class GraphCaptureError(RuntimeError):
+    """Capturing a decode graph failed (the cause is chained); the step itself can still run eagerly."""
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -131,10 +137,17 @@ class DecodeGraphs:
         self._forward(Bp, use_lora)  # warm-up: compiles kernels, creates cached device tensors
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(
-            g, pool=self.pool, capture_error_mode="thread_local"
-        ):  # adapter loads may run beside
-            logits = self._forward(Bp, use_lora)
+        stream = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.graph(
+                g, pool=self.pool, capture_error_mode="thread_local"
+            ):  # adapter loads may run beside
+                logits = self._forward(Bp, use_lora)
+        except Exception as e:
+            # NOTE: when capture_end raises, torch.cuda.graph leaves its side stream current
+            torch.cuda.set_stream(stream)
+            torch.cuda.synchronize(self.device)
+            raise GraphCaptureError(f"batch bucket {Bp}: {type(e).__name__}: {e}") from e
         if self.pool is None:
             self.pool = g.pool()
         self.stats["captures"] += 1

@@ -68,11 +68,22 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.blocks, self.dtype, self.device, self.lora_manager)
         if self.workers is not None:
             self.workers.attach(self.runner, self.lora_manager, num_blocks)
+        if self._use_cuda_graphs():
+            self.runner.enable_cuda_graphs(sc.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(mc.seed)
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
+
+    def _use_cuda_graphs(self) -> bool:
+        """CUDA graphs by default where they work: a CUDA device, GPU attention, TP=1, not enforce_eager."""
+        return (
+            self.device.type == "cuda"
+            and self.runner.gpu_attention
+            and self.config.parallel.tensor_parallel_size == 1
+            and not self.config.model.enforce_eager
+        )
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

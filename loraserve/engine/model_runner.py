@@ -11,18 +11,22 @@ broadcasts it, and every rank calls ``execute`` on it (engine/worker.py).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from loraserve.config import CacheConfig
+from loraserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureError
 from loraserve.engine.kv_cache import BlockManager
 from loraserve.engine.scheduler import ScheduledBatch
 from loraserve.engine.sequence import Sequence
 from loraserve.forward_context import AttentionMetadata, forward_context
 from loraserve.layers.attention import Attention
 from loraserve.lora.punica import LoRAMapping
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,8 +109,6 @@ class ModelRunner:
         """Replay decode steps of up to max_batch sequences from CUDA graphs (GPU attention only)."""
         if not self.gpu_attention:
             raise RuntimeError("CUDA graphs need the GPU attention kernel (a CUDA device with Triton)")
-        from loraserve.engine.cuda_graphs import DecodeGraphs
-
         self.graphs = DecodeGraphs(self, max_batch, max_model_len, self.scratch_slot)
 
     def _gpu_seq_tables(self, block_tables, starts, lens, ctx_lens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +193,15 @@ class ModelRunner:
     def execute(self, step: PreparedStep, lora_mapping: LoRAMapping | None = None) -> torch.Tensor | None:
         """The forward of one step (on every TP rank): logits (len(logit_rows), V) fp32, or None."""
         if self.graphs is not None and self.graphs.can_run(step):
-            return self.graphs.run(step)
+            try:
+                return self.graphs.run(step)
+            except GraphCaptureError as e:
+                logger.warning(
+                    "CUDA graph capture failed (%s); CUDA graphs are now off and every step runs eagerly. "
+                    "To skip capturing, start the engine with enforce_eager=True (--enforce-eager).",
+                    e,
+                )
+                self.graphs = None
         dev = self.device
         kv_slots = []
         if not self.gpu_attention:  # the torch reference gathers each sequence's slots

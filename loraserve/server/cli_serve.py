@@ -53,6 +53,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (overrides the size)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (one host)")
     g.add_argument("--distributed-timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
+    g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs (on by default on the GPU)")
     g = p.add_argument_group("LoRA")
     g.add_argument(
         "--enable-lora",
@@ -132,6 +133,7 @@ def build_engine(args: argparse.Namespace, lora_modules: list[tuple[str, str]]):
             max_model_len=args.max_model_len,
             seed=args.seed,
             device=args.device,
+            enforce_eager=args.enforce_eager,
         ),
         cache=CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb),
         scheduler=SchedulerConfig(
