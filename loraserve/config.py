@@ -36,6 +36,9 @@ class Env:
     world_size: int | None = None
     rank: int | None = None
     local_rank: int | None = None
+    # LORASERVE_PROFILE_SYNC=1: synchronize the device between step phases, so engine.step_timings
+    # attributes GPU time to the phase that queued it (slower; for profiling only)
+    profile_sync: bool = False
 
     @classmethod
     def read(cls) -> Env:
@@ -44,7 +47,11 @@ class Env:
             xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             root = os.path.join(xdg, "loraserve")
         dist = {k: os.environ.get(v) for k, v in (("world_size", "WORLD_SIZE"), ("rank", "RANK"), ("local_rank", "LOCAL_RANK"))}
-        return cls(cache_dir=Path(root), **{k: int(v) for k, v in dist.items() if v is not None})
+        return cls(
+            cache_dir=Path(root),
+            profile_sync=os.environ.get("LORASERVE_PROFILE_SYNC", "0") == "1",
+            **{k: int(v) for k, v in dist.items() if v is not None},
+        )
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:

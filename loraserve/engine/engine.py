@@ -1,7 +1,8 @@
 """LLMEngine: add_request / step / abort.
 
-``step()`` is the algorithm: schedule -> run the model -> sample -> postprocess. Everything else
-(LoRA slots, KV blocks, detokenization) lives behind one object each.
+``step()`` is the algorithm: schedule -> run the model (prepare + forward) -> sample -> postprocess.
+Everything else (LoRA slots, KV blocks, detokenization) lives behind one object each; each phase's
+wall time accumulates in ``step_timings`` (engine/timings.py).
 
 Sampling and logprobs run on the logits' device; only the sampled ids and the logprob numbers asked
 for come back to the host, each in one transfer per step.
@@ -24,6 +25,7 @@ from loraserve.engine.model_runner import ModelRunner, RunnerOutput, size_kv_cac
 from loraserve.engine.sampler import Sampler, TopLogprobs, logprob_stats, unpack_logprobs
 from loraserve.engine.scheduler import ScheduledBatch, Scheduler
 from loraserve.engine.sequence import Request, Sequence
+from loraserve.engine.timings import StepTimings
 from loraserve.engine.worker import EngineDeadError, start_tensor_parallel
 from loraserve.lora.request import LoRARequest
 from loraserve.models.loader import build_model, resolve_model_dir
@@ -71,6 +73,8 @@ class LLMEngine:
         if self._use_cuda_graphs():
             self.runner.enable_cuda_graphs(sc.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(mc.seed)
+        self.step_timings = StepTimings()
+        self._sync_device = self.device if config.env.profile_sync else None
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -184,17 +188,28 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._check_healthy()
-        batch = self.scheduler.schedule()
-        if batch.empty:
-            return self._idle()
+        clock = self.step_timings.start(self._sync_device)
         try:
-            out = self.runner.run(batch)
-        except EngineDeadError:  # a tensor-parallel worker died mid-step: fail every request
-            self._check_healthy()
-            raise
-        sampled = self._sample(out)  # on the device, for logprobs
-        token_ids = sampled.tolist() if sampled is not None else []  # the step's one wait on the device
-        return self._postprocess(batch, out, sampled, token_ids)
+            batch = self.scheduler.schedule()
+            clock.lap("schedule")
+            if batch.empty:
+                return self._idle()
+            try:
+                prepared, plan = self.runner.prepare(batch)
+                clock.lap("prepare")
+                out = self.runner.forward(prepared, plan)
+                clock.lap("forward", sync=True)
+            except EngineDeadError:  # a tensor-parallel worker died mid-step: fail every request
+                self._check_healthy()
+                raise
+            sampled = self._sample(out)  # on the device, for logprobs
+            token_ids = sampled.tolist() if sampled is not None else []  # the step's one wait on the device
+            clock.lap("sample", sync=True)
+            outputs = self._postprocess(batch, out, sampled, token_ids)
+            clock.lap("postprocess")
+            return outputs
+        finally:
+            clock.stop()
 
     def _idle(self) -> list[RequestOutput]:
         """Nothing runnable: requests wait on adapter loads. Fail those whose reload broke, else wait a bit."""

@@ -5,8 +5,10 @@ are needed: the last token of a sequence that samples now, and every prompt posi
 that asked for prompt logprobs.
 
 ``run`` = ``prepare`` (the batch as plain lists, ``PreparedStep``; makes its adapters resident) +
-``execute`` (the forward). Under tensor parallelism rank 0 hands each step to ``on_step``, which
-broadcasts it, and every rank calls ``execute`` on it (engine/worker.py).
+``forward`` (``execute``, the model's forward, then the logits split per sequence). Under tensor
+parallelism rank 0's ``forward`` hands each step to ``on_step``, which broadcasts it, and every rank
+calls ``execute`` on it (engine/worker.py). The engine calls ``prepare`` and ``forward`` itself, to
+time them apart.
 """
 
 from __future__ import annotations
@@ -125,9 +127,12 @@ class ModelRunner:
         bs = self.blocks.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
-        step, plan = self.prepare(batch)
+        return self.forward(*self.prepare(batch))
+
+    @torch.inference_mode()
+    def forward(self, step: PreparedStep, plan: _OutputPlan) -> RunnerOutput:
+        """Run a prepared step (on every TP rank, via on_step) and split its logits per sequence."""
         if self.on_step is not None:
             self.on_step(step)
         logits = self.execute(step, plan.lora_mapping)
@@ -138,6 +143,7 @@ class ModelRunner:
             out.sample_logits = logits[plan.sample_row0 :]
         return out
 
+    @torch.inference_mode()
     def prepare(self, batch: ScheduledBatch) -> tuple[PreparedStep, _OutputPlan]:
         """The batch as plain lists, and how to read its logits. Writes the batch's adapters into slots."""
         ids: list[int] = []

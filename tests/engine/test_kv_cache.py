@@ -251,15 +251,15 @@ def test_a_failing_step_leaves_nothing_behind(tmp_path, monkeypatch):
     llm = LLM(str(tmp_path / "m"))
     eng = llm.engine
     calls = {"n": 0}
-    real = eng.runner.run
+    real = eng.runner.execute
 
-    def flaky(batch):
+    def flaky(step, lora_mapping=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return real(batch)
+        return real(step, lora_mapping)
 
-    monkeypatch.setattr(eng.runner, "run", flaky)
+    monkeypatch.setattr(eng.runner, "execute", flaky)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     try:
         llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, sp)
