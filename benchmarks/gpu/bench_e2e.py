@@ -66,12 +66,51 @@ def timed_generate(llm: LLM, prompts, loras, new_tokens: int) -> tuple[float, li
     return total, steps, [done[r] for r in rids]
 
 
-def bench_ours(model_dir: Path, adapters: list[Path], prompts, new_tokens: int) -> dict:
+_KERNEL_KINDS = (  # substring of a kernel's name -> its category, first match wins
+    ("lora", ("_lora_shrink", "_lora_expand", "_moe_lora")),
+    ("attention", ("paged_attention", "_attn", "attention")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90", "cublas", "_moe_gemm")),
+)
+
+
+def kernel_breakdown(llm: LLM, prompts, loras, steps: int = 3) -> dict:
+    """GPU kernel ms per eager decode step by category (torch.profiler, CUDA activity), graphs off."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    graphs, eng.runner.graphs = eng.runner.graphs, None
+    sp = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for p, lr in zip(prompts, loras):
+        eng.add_request(eng.new_request_id(), None, sp, p, lr)
+    for _ in range(3):  # prefill + warm decode steps
+        eng.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        sync()
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.runner.graphs = graphs
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:
+            us = ev.cuda_time_total
+        if us <= 0:
+            continue
+        kind = next((k for k, subs in _KERNEL_KINDS if any(s in ev.key for s in subs)), "other")
+        out[kind] = out.get(kind, 0.0) + us / 1e3 / steps
+    return {k: round(v, 3) for k, v in sorted(out.items())}
+
+
+def bench_ours(model_dir: Path, adapters: list[Path], prompts, new_tokens: int, lora_dtype: str = "auto",
+               profile_steps: bool = True) -> dict:
     n = len(prompts)
     llm = LLM(
         str(model_dir), dtype="bfloat16", load_format="dummy", enable_lora=True, max_loras=N_ADAPTERS,
         max_lora_rank=16, max_num_seqs=n, max_num_batched_tokens=4096, max_model_len=512,
-        num_kv_blocks=n * (512 // 16) + 8,
+        num_kv_blocks=n * (512 // 16) + 8, lora_dtype=lora_dtype, enforce_eager=True,
     )  # fmt: skip
     reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     mixed = [reqs[i % N_ADAPTERS] for i in range(n)]
@@ -84,6 +123,9 @@ def bench_ours(model_dir: Path, adapters: list[Path], prompts, new_tokens: int) 
             timed_generate(
                 llm, prompts, loras, 4
             )  # warm-up: kernels compiled, adapters resident, graphs captured
+            timings = getattr(llm.engine, "step_timings", None)
+            if timings is not None:
+                timings.reset()
             total, steps, ids = timed_generate(llm, prompts, loras, new_tokens)
             res[f"{mode}_{name}"] = dict(
                 tok_s=n * new_tokens / total,
@@ -92,8 +134,20 @@ def bench_ours(model_dir: Path, adapters: list[Path], prompts, new_tokens: int) 
                 prefill_ms=1e3 * steps[0],
                 ids=ids,
             )
+            if timings is not None:
+                res[f"{mode}_{name}"]["phase_ms_per_step"] = {k: round(v["mean_ms"], 3) for k, v in timings.as_dict().items()}
     g = llm.engine.runner.graphs
     res["graph_stats"] = dict(g.stats)
+    if profile_steps:
+        from triton.testing import do_bench
+
+        for (bucket, use_lora), (graph, _) in g.graphs.items():  # GPU time of one decode step, no host work
+            if bucket == n:
+                res[f"graph_replay_ms_{'lora' if use_lora else 'base'}"] = do_bench(
+                    graph.replay, warmup=5, rep=50, return_mode="median"
+                )
+        res["kernels_ms_per_step_base"] = kernel_breakdown(llm, prompts, base)
+        res["kernels_ms_per_step_mixed"] = kernel_breakdown(llm, prompts, mixed)
     same = sum(a == b for a, b in zip(res["eager_mixed"]["ids"], res["graphs_mixed"]["ids"]))
     res["graphs_vs_eager_same_seqs"] = f"{same}/{n}"
     for v in res.values():
@@ -203,6 +257,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--bf16-loras", action="store_true", help="also run with LoRA weights stored in bf16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import peft
@@ -232,6 +287,9 @@ def main() -> None:
             prompts = torch.randint(2, cfg.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
             r = {"ours": bench_ours(mdir, adapters, prompts, args.new_tokens)}
             print(f"{shape} ours: {json.dumps(r['ours'])}  [{time.time() - t0:.0f}s]", flush=True)
+            if args.bf16_loras:  # vLLM's default: adapters stored in the model dtype (PEFT computes in fp32)
+                r["ours_bf16_loras"] = bench_ours(mdir, adapters, prompts, args.new_tokens, "bfloat16", False)
+                print(f"{shape} ours, bf16 LoRA weights: {json.dumps(r['ours_bf16_loras'])}", flush=True)
             if not args.skip_hf:
                 r["hf"] = bench_hf(cfg, adapters, prompts, args.hf_new_tokens)
                 print(f"{shape} hf+peft: {json.dumps(r['hf'])}  [{time.time() - t0:.0f}s]", flush=True)
@@ -252,12 +310,28 @@ def main() -> None:
                 f"| {shape} | loraserve | {mode} | {b['tok_s']:.0f} | {m['tok_s']:.0f} | {b['decode_ms']:.2f} | "
                 f"{m['decode_ms']:.2f} | {m['decode_ms'] / b['decode_ms']:.2f}x |"
             )
+        if "ours_bf16_loras" in r:
+            b, m = r["ours_bf16_loras"]["graphs_base"], r["ours_bf16_loras"]["graphs_mixed"]
+            print(
+                f"| {shape} | loraserve | graphs, bf16 LoRA weights | {b['tok_s']:.0f} | {m['tok_s']:.0f} | "
+                f"{b['decode_ms']:.2f} | {m['decode_ms']:.2f} | {m['decode_ms'] / b['decode_ms']:.2f}x |"
+            )
         if "hf" in r:
             b, m = r["hf"]["base"], r["hf"]["mixed"]
             print(
                 f"| {shape} | HF+PEFT | eager | {b['tok_s']:.0f} | {m['tok_s']:.0f} | {b['decode_ms']:.2f} | "
                 f"{m['decode_ms']:.2f} | {m['decode_ms'] / b['decode_ms']:.2f}x |"
             )
+    for shape in args.shapes.split(","):
+        o = results[shape]["ours"]
+        print(f"{shape}: GPU time of one decode step (graph replay) ms: "
+              + ", ".join(f"{k[len('graph_replay_ms_'):]} {v:.2f}" for k, v in o.items() if k.startswith("graph_replay_ms_")))  # fmt: skip
+        for k in ("kernels_ms_per_step_base", "kernels_ms_per_step_mixed"):
+            if k in o:
+                print(f"{shape}: {k}: {o[k]}")
+        for k in ("graphs_base", "graphs_mixed"):
+            if "phase_ms_per_step" in o.get(k, {}):
+                print(f"{shape}: {k} host phases ms/step: {o[k]['phase_ms_per_step']}")
     print(f"parity max |Δ logprob| vs HF+PEFT (bf16): {results['parity']}")
     if args.json:
         with open(args.json, "w") as f:

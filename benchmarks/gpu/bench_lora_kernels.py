@@ -126,6 +126,42 @@ def bench_lora(name, T, S, K, outs, wdtype, rank=16):
     )  # fmt: skip
 
 
+LAYER_CASES = [  # Llama-8B's four LoRA'd linear ops at decode (32 tokens, 8 adapters round-robin)
+    ("qkv", 32, 8, 4096, (4096, 1024, 1024)),
+    ("o", 32, 8, 4096, (4096,)),
+    ("gate_up", 32, 8, 4096, (14336, 14336)),
+    ("down", 32, 8, 14336, (4096,)),
+]
+
+
+def bench_layer(name, T, S, K, outs, wdtype, rank=16):
+    """GPU µs (graph replay) of a whole LoRA linear layer: the base GEMM alone vs base + LoRA (the
+    punica wrapper's shrink + expand adding the delta into the GEMM's output)."""
+    from loraserve.forward_context import forward_context
+    from loraserve.lora.punica import PunicaWrapper
+
+    g = torch.Generator(device=DEV).manual_seed(7)
+    slots = [t % S for t in range(T)]
+    mapping = LoRAMapping.build(slots, slots, DEV)
+    As = tuple(torch.randn(S, 1, rank, K, device=DEV, generator=g).mul_(0.02).to(wdtype) for _ in outs)
+    Bs = tuple(torch.randn(S, 1, n, rank, device=DEV, generator=g).mul_(0.02).to(wdtype) for n in outs)
+    W = torch.randn(sum(outs), K, device=DEV, generator=g).mul_(0.02).to(torch.bfloat16)
+    x = torch.randn(T, K, device=DEV, generator=g).to(torch.bfloat16)
+    pw = PunicaWrapper(S, DEV)
+    ranks = [rank] * S
+    base = lambda x: torch.nn.functional.linear(x, W)  # noqa: E731
+
+    def in_place():
+        with forward_context(lora=mapping):
+            return pw.apply_lora_linear(base(x), x, As, Bs, outs, ranks)
+
+    times = {}
+    for key, fn in (("base", lambda: base(x)), ("in_place", in_place)):
+        gr = graph_of(fn)
+        times[key] = do_bench(gr.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    return dict(op=name, T=T, adapters=S, dtype=str(wdtype).replace("torch.", ""), **times)
+
+
 def check_lora_once():
     """A quick guard that the timed kernels compute the right thing (the full tests live in tests/gpu)."""
     T, S, K, outs, rank = 64, 8, 4096, (4096, 1024, 1024), 16
@@ -216,6 +252,7 @@ def main() -> None:
     for wdtype in (torch.bfloat16, torch.float32):
         for case in LORA_CASES:
             rows.append(bench_lora(*case, wdtype))
+    layers = [bench_layer(*case, wd) for wd in (torch.float32, torch.bfloat16) for case in LAYER_CASES]
     att = [
         bench_attention("decode ctx 256", [1] * 32, [256] * 32),
         bench_attention("decode ctx 1024", [1] * 32, [1024] * 32),
@@ -248,9 +285,15 @@ def main() -> None:
             f"| {r['op']} | {r['T']} | {r['seqs']} | {r['ours_us']:.1f} | {r['torch_us']:.0f} | "
             f"{r['torch_us'] / r['ours_us']:.1f}x | {pct:.0f}% | {r['rel_err']:.1e} |"
         )
+    print()
+    print("| layer (Llama-8B, decode) | tokens | adapters | LoRA dtype | base GEMM µs | + LoRA µs | LoRA µs | with / without |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in layers:
+        print(f"| {r['op']} | {r['T']} | {r['adapters']} | {r['dtype']} | {r['base']:.1f} | {r['in_place']:.1f} | "
+              f"{r['in_place'] - r['base']:.1f} | {r['in_place'] / r['base']:.2f}x |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy_bw": bw, "lora": rows, "attention": att}, f, indent=1)
+            json.dump({"copy_bw": bw, "lora": rows, "attention": att, "layers": layers}, f, indent=1)
 
 
 if __name__ == "__main__":

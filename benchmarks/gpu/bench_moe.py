@@ -130,11 +130,80 @@ def run_case(layer, T: int, bw: float) -> list[dict]:
     return rows
 
 
+TUNE_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages)
+    (bm, bn, bk, w, st)
+    for bm in (64, 128)
+    for bn in (64, 128, 256)
+    for bk in (64, 128)
+    for w in (4, 8)
+    for st in (3, 4)
+    if not (bn == 256 and bk == 128) and not (bm == 128 and bn == 256 and st == 4)
+]
+
+
+def tune(shape: str, tokens: int) -> list[dict]:
+    """GPU µs of the two grouped GEMMs (w13, w2) per tile config vs a cuBLAS matmul per expert on the
+    same rows (index lists built before timing, so the loop has no host sync): the sweep behind
+    ``triton_moe.default_tiles``."""
+    from loraserve.layers.moe_align import align_by_group
+    from loraserve.layers.triton_moe import GemmTiles, moe_gemm
+
+    E, k, H, inter, _ = SHAPES[shape]
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    ids = torch.randn(tokens, E, device=DEV, generator=g).topk(k, dim=-1).indices
+    flat = ids.reshape(-1)
+    rows = []
+    for name, N, K, token_div in (("w13", 2 * inter, H, k), ("w2", H, inter, 1)):
+        w = (torch.randn(E, N, K, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+        x = torch.randn(tokens if token_div == k else tokens * k, K, device=DEV, generator=g).to(torch.bfloat16)
+        per_expert = [(flat == e).nonzero().squeeze(1) // token_div for e in range(E)]
+        out = torch.empty(flat.numel(), N, device=DEV, dtype=torch.bfloat16)
+
+        def loop(per_expert=per_expert, out=out, x=x, w=w):
+            for e, idx in enumerate(per_expert):
+                if idx.numel():
+                    out[idx] = x[idx] @ w[e].T
+
+        ref_us = 1e3 * do_bench(loop, warmup=5, rep=50, return_mode="median")
+        flops = 2 * flat.numel() * N * K
+        best = None
+        for bm, bn, bk, nw, st in TUNE_TILES:
+            blocks = align_by_group(flat, E, bm)
+            tiles = GemmTiles(bn, bk, nw, st)
+            try:
+                us = 1e3 * do_bench(lambda x=x, w=w, b=blocks, d=token_div, t=tiles: moe_gemm(x, w, b, d, t), warmup=5, rep=50,
+                                    return_mode="median")  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - out of shared memory for this tile: skip it
+                print(f"  {shape} T={tokens} {name} {(bm, bn, bk, nw, st)}: {type(e).__name__}", flush=True)
+                continue
+            r = dict(shape=shape, tokens=tokens, gemm=name, tiles=(bm, bn, bk, nw, st), us=us, cublas_loop_us=ref_us,
+                     tflops=flops / us / 1e6)  # fmt: skip
+            rows.append(r)
+            if best is None or us < best["us"]:
+                best = r
+        print(f"| {shape} | {tokens} | {name} | {best['tiles']} | {best['us']:.0f} | {ref_us:.0f} | "
+              f"{ref_us / best['us']:.2f}x | {best['tflops']:.0f} |", flush=True)  # fmt: skip
+        for bm in (64, 128):
+            top = sorted((r for r in rows if r["gemm"] == name and r["tiles"][0] == bm), key=lambda r: r["us"])[:3]
+            print("   block_m", bm, "top3:", [(r["tiles"], round(r["us"])) for r in top], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tune", action="store_true", help="sweep the grouped GEMM's tiles at prefill sizes")
     args = ap.parse_args()
+    if args.tune:
+        print("| shape | tokens | gemm | best (block_m, n, k, warps, stages) | µs | cuBLAS per expert µs | ratio | TFLOP/s |")
+        print("|---|---:|---|---|---:|---:|---:|---:|")
+        cases = [("mixtral-8x7b", 512), ("mixtral-8x7b", 4096), ("qwen3-30b-a3b", 4096)]
+        rows = [r for s, T in cases if s in args.shapes.split(",") for r in tune(s, T)]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}; torch {torch.__version__}")
     out = {"copy_tb_s": bw / 1e12, "rows": {}}

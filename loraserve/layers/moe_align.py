@@ -63,8 +63,10 @@ def align_by_group(groups: torch.Tensor, num_groups: int, block_m: int) -> Align
     return AlignedBlocks(sorted_ids[:capacity].to(torch.int32), block_group.to(torch.int32), n, block_m)
 
 
-def pick_block_m(n: int, num_groups: int) -> int:
+def pick_block_m(n: int, num_groups: int, largest: int = 64) -> int:
     """Rows per block from the mean rows per non-empty group: small blocks for decode (few tokens per
-    expert), large ones for prefill. 16 is the smallest tensor-core tile."""
+    expert), large ones for prefill, at most ``largest`` (the base GEMM takes 128; the LoRA kernels,
+    whose per-block work is small, stay at 64). 16 is the smallest tensor-core tile."""
     mean = n / max(1, min(num_groups, n))
-    return 16 if mean <= 16 else (32 if mean <= 48 else 64)
+    m = 16 if mean <= 16 else (32 if mean <= 48 else (64 if mean <= 192 else 128))
+    return min(m, largest)

@@ -11,6 +11,7 @@ Imported only on CUDA (or under TRITON_INTERPRET=1 in tests): CPU installs have 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -83,10 +84,36 @@ def _moe_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: AlignedBlocks, token_div: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class GemmTiles:
+    """Tile sizes and launch shape of ``_moe_gemm_kernel`` for one aligned block size."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def default_tiles(block_m: int) -> GemmTiles:
+    """Decode-size blocks (16, 32 rows) stream the weights with wide N tiles; prefill-size blocks
+    (64, 128 rows) are compute-bound and take 128x128 tiles on 8 warps with a deeper pipeline.
+
+    NOTE: from a sweep on the H200 (``benchmarks/gpu/bench_moe.py --tune``): 64x64x64 on 4 warps
+    (the first version) ran Mixtral's prefill at 0.2-0.5x the per-expert cuBLAS loop.
+    """
+    if block_m <= 32:
+        return GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=3)
+    if block_m == 64:
+        return GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=4)
+    return GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4)
+
+
+def moe_gemm(
+    x: torch.Tensor, w: torch.Tensor, blocks: AlignedBlocks, token_div: int, tiles: GemmTiles | None = None
+) -> torch.Tensor:
     """x (M, K), w (E, N, K) -> out (n, N) in x's dtype, out[i] = x[i // token_div] @ w[e(i)]^T, where
     e(i) is the group of the block that holds assignment i. Rows of excluded assignments are left
-    unwritten (the caller never reads them)."""
+    unwritten (the caller never reads them). ``tiles``: override ``default_tiles`` (tuning)."""
     assert x.dim() == 2 and w.dim() == 3 and x.shape[1] == w.shape[2], (
         f"x {tuple(x.shape)} does not fit experts {tuple(w.shape)} as (M, K), (E, N, K)"
     )
@@ -95,15 +122,14 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: AlignedBlocks, token_div:
     out = torch.empty(n, N, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    block_n = 64 if blocks.block_m >= 64 else 128
-    block_k = 64
-    grid = (blocks.num_blocks, triton.cdiv(N, block_n))
+    t = tiles or default_tiles(blocks.block_m)
+    grid = (blocks.num_blocks, triton.cdiv(N, t.block_n))
     _moe_gemm_kernel[grid](
         x, w, out, blocks.sorted_ids, blocks.block_group, n, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        TOKEN_DIV=token_div, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        TOKEN_DIV=token_div, BLOCK_M=blocks.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         CDT=tl_dtype(x.dtype), IEEE=x.dtype == torch.float32,
-        num_warps=4,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return out
 
@@ -118,7 +144,7 @@ def fused_experts(layer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     T, k = ids.shape
     E = layer.num_experts
     flat = ids.reshape(-1)
-    blocks = align_by_group(flat, E, pick_block_m(flat.numel(), E))
+    blocks = align_by_group(flat, E, pick_block_m(flat.numel(), E, largest=128))
     h = moe_gemm(x, layer.gate_up_proj, blocks, token_div=k)  # (T*k, 2I)
     if hook is not None:
         hook.w13(h, x, ids)

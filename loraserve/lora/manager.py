@@ -3,7 +3,7 @@
 Tiers: registered adapters (disk paths) -> host cache of parsed, packed adapters (``max_cpu_loras``,
 LRU) -> device slots (``max_loras``, LRU among adapters not needed by the current batch).
 Verbs come in pairs: ``add_adapter / remove_adapter``, ``acquire / release`` (in-flight requests),
-``pin / unpin``; ``prepare_mapping`` makes every adapter of a batch resident and builds its mapping.
+``pin / unpin``; ``prepare_slots`` makes every adapter of a batch resident (``prepare_mapping`` also builds its mapping).
 
 Loading never blocks the step loop: a cold adapter (registered, not in the host cache) is parsed on
 a worker thread; the scheduler's ``activate`` returns False until it is there, so its requests wait
@@ -322,8 +322,11 @@ class LoRAManager:
             return self._slot_ids.index(lid)
         return self._write_slot(lid, self._host_get(lid), protected)
 
-    def prepare_mapping(self, token_lora_ids: list[int], logit_lora_ids: list[int]) -> LoRAMapping | None:
-        """Make the batch's adapters resident; map lora_int_id (0 = base) to slots (-1 = base)."""
+    def prepare_slots(
+        self, token_lora_ids: list[int], logit_lora_ids: list[int]
+    ) -> tuple[list[int], list[int]] | None:
+        """Make the batch's adapters resident: (slot per token, slot per logits row), -1 = base; None
+        when the batch has no adapter. Cheap (lists only): a CUDA-graph step needs no more."""
         needed = set(token_lora_ids) | set(logit_lora_ids)
         needed.discard(0)
         if not needed:
@@ -334,7 +337,12 @@ class LoRAManager:
             if ev is not None:  # the forward waits for the side-stream copy on the GPU, not the CPU
                 torch.cuda.current_stream(self.device).wait_event(ev)
         slots[0] = -1
-        return LoRAMapping.build([slots[i] for i in token_lora_ids], [slots[i] for i in logit_lora_ids], self.device)
+        return [slots[i] for i in token_lora_ids], [slots[i] for i in logit_lora_ids]
+
+    def prepare_mapping(self, token_lora_ids: list[int], logit_lora_ids: list[int]) -> LoRAMapping | None:
+        """``prepare_slots``, then the batch's LoRAMapping (device tensors) for an eager forward."""
+        slots = self.prepare_slots(token_lora_ids, logit_lora_ids)
+        return None if slots is None else LoRAMapping.build(*slots, self.device)
 
     @property
     def num_resident(self) -> int:

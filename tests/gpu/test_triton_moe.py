@@ -80,8 +80,15 @@ def inputs(T, H, E, dtype, seed):
     return x, logits
 
 
-def tol(dtype):
-    return dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+def assert_matches(got, want, dtype):
+    """fp32: elementwise within 1e-4. bf16: max |got - want| / max |want| < 1e-2 (the issue's kernel
+    criterion); elementwise bounds fail on a few outputs from the rounding order alone (seen: 2 of 2368
+    off by 0.033 on the H200), a wrong delta moves the whole tensor."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-4)
+    else:
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err < 1e-2, f"relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -95,7 +102,7 @@ def test_grouped_gemm_equals_torch_path(layout, dtype, T, E, top_k):
     want = base(x, logits)
     base.backend = "triton"
     got = base(x, logits)
-    torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
+    assert_matches(got, want, dtype)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -117,7 +124,7 @@ def test_expert_lora_kernels_equal_torch_path_in_a_mixed_batch(layout, dtype):
         want = layer(x, logits)
         base.backend = "triton"
         got = layer(x, logits)
-    torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
+    assert_matches(got, want, dtype)
     base_only = base(x, logits)
     for s in (0, 3):  # base tokens and the reset slot take the base path
         torch.testing.assert_close(got[s::5], base_only[s::5], rtol=0, atol=0)

@@ -52,3 +52,5 @@ def test_block_size_follows_rows_per_group():
     assert pick_block_m(32 * 8, 128) == 16  # decode: two rows per expert
     assert pick_block_m(4096 * 8, 128) == 64  # prefill
     assert pick_block_m(0, 8) == 16
+    assert pick_block_m(4096 * 2, 8, largest=128) == 128  # Mixtral prefill: 1024 rows per expert
+    assert pick_block_m(4096 * 2, 8) == 64  # the default cap

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call: GPU tests and benchmarks, logs under $OUT (or /tmp/gpu_out). Stages pick what runs:
+#   bash benchmarks/gpu/run_device.sh kernels   # kernel tests + bench_lora_kernels + bench_moe
+#   bash benchmarks/gpu/run_device.sh tests     # every GPU test
+#   bash benchmarks/gpu/run_device.sh e2e       # bench_e2e (Llama-8B and Qwen-0.5B shapes, HF + PEFT)
+#   bash benchmarks/gpu/run_device.sh tune      # bench_moe --tune: the grouped GEMM's tile sweep
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT="${OUT:-/tmp/gpu_out}"
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
+for stage in "$@"; do
+    start=$SECONDS
+    case "$stage" in
+        kernels)
+            timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_triton_moe.py tests/gpu/test_triton_lora.py 2>&1 | tail -15 | tee "$OUT/kernel_tests.txt"
+            timeout 200 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"
+            timeout 200 python3 benchmarks/gpu/bench_lora_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.txt"
+            ;;
+        tests)
+            timeout 330 python3 -m pytest -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
+            ;;
+        tune)
+            timeout 240 python3 benchmarks/gpu/bench_moe.py --tune --json "$OUT/moe_tune.json" 2>&1 | tee "$OUT/moe_tune.txt"
+            ;;
+        e2e)
+            timeout 540 python3 benchmarks/gpu/bench_e2e.py --bf16-loras --json "$OUT/e2e.json" 2>&1 | tee "$OUT/bench_e2e.txt"
+            ;;
+        *) echo "unknown stage $stage" ;;
+    esac
+    echo "stage $stage took $((SECONDS - start))s" | tee -a "$OUT/stages.txt"
+done
