@@ -31,7 +31,10 @@ class BatchedExpertHook(Protocol):
     def w2(self, y: torch.Tensor, a: torch.Tensor, ids: torch.Tensor) -> None: ...
 
 
-@triton.jit(do_not_specialize=["n_valid", "N", "K"])
+# NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
+# multiples of 16 and vectorizes the masked loads along the contiguous axis; as runtime ints every
+# masked load there went scalar. Specializing compiles once per divisibility class, not per value.
+@triton.jit(do_not_specialize=["n_valid"])
 def _moe_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -96,7 +99,7 @@ class GemmTiles:
 
 def default_tiles(block_m: int) -> GemmTiles:
     """Decode-size blocks (16, 32 rows) stream the weights with wide N tiles; prefill-size blocks
-    (64, 128 rows) are compute-bound and take 128x128 tiles on 8 warps with a deeper pipeline.
+    (64, 128 rows) are compute-bound and take 128-wide tiles with a deeper pipeline.
 
     NOTE: from a sweep on the H200 (``benchmarks/gpu/bench_moe.py --tune``): 64x64x64 on 4 warps
     (the first version) ran Mixtral's prefill at 0.2-0.5x the per-expert cuBLAS loop.
@@ -105,7 +108,7 @@ def default_tiles(block_m: int) -> GemmTiles:
         return GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=3)
     if block_m == 64:
         return GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=4)
-    return GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4)
+    return GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=3)
 
 
 def moe_gemm(

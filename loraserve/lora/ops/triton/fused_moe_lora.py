@@ -24,7 +24,10 @@ from loraserve.layers.moe_align import AlignedBlocks
 from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
 
 
-@triton.jit(do_not_specialize=["n_valid", "E", "K"])
+# NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
+# multiples of 16 and vectorizes the masked loads along the contiguous axis; as runtime ints every
+# masked load there went scalar. Specializing compiles once per divisibility class, not per value.
+@triton.jit(do_not_specialize=["n_valid", "E"])
 def _moe_lora_shrink_kernel(
     x_ptr,
     a0_ptr,
@@ -85,7 +88,7 @@ def _moe_lora_shrink_kernel(
     tl.store(out, acc, mask=m_mask[:, None] & (offs_r < BLOCK_R)[None, :])
 
 
-@triton.jit(do_not_specialize=["n_valid", "E", "N", "col_off0", "col_off1", "col_stride"])
+@triton.jit(do_not_specialize=["n_valid", "E"])
 def _moe_lora_expand_kernel(
     buf_ptr,
     b0_ptr,
@@ -100,6 +103,7 @@ def _moe_lora_expand_kernel(
     col_off0,
     col_off1,
     col_stride,
+    R,
     stride_bm,
     stride_bsl,
     stride_ws,
@@ -146,7 +150,7 @@ def _moe_lora_expand_kernel(
     bt = tl.load(
         b_ptr + slot.to(tl.int64) * stride_ws + e.to(tl.int64) * stride_we
         + offs_n[None, :] * stride_wn + offs_r[:, None] * stride_wr,
-        mask=r_mask[:, None] & n_mask[None, :],
+        mask=(offs_r < R)[:, None] & n_mask[None, :],  # NOTE: not by rank: as in lora_expand.py
         other=0.0,
     )  # fmt: skip
     if IEEE:
@@ -225,7 +229,7 @@ def moe_lora_expand(
     grid = (blocks.num_blocks, n_slices * triton.cdiv(N, block_n))
     _moe_lora_expand_kernel[grid](
         buf, b0, lora_b[-1], y, blocks.sorted_ids, blocks.block_group, ranks, n, E, N,
-        col_offsets[0], col_offsets[-1], col_stride,
+        col_offsets[0], col_offsets[-1], col_stride, R,
         buf.stride(0), buf.stride(1), b0.stride(0), b0.stride(1), b0.stride(2), b0.stride(3),
         y.stride(0), y.stride(1),
         NUM_SLICES=n_slices, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_R=buf.shape[2],

@@ -21,7 +21,10 @@ from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
 from loraserve.lora.punica import SegmentMeta
 
 
-@triton.jit(do_not_specialize=["T", "S", "N0", "N1", "N2", "tiles0", "tiles01", "y_offset", "SPLIT_K"])
+# NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
+# multiples of 16 and vectorizes the masked loads along the contiguous axis; as runtime ints every
+# masked load there went scalar. Specializing compiles once per divisibility class, not per value.
+@triton.jit(do_not_specialize=["T", "S", "tiles0", "tiles01", "SPLIT_K"])
 def _lora_expand_kernel(
     buf_ptr,
     b0_ptr,
@@ -49,6 +52,7 @@ def _lora_expand_kernel(
     stride_ym,
     stride_yn,
     SPLIT_K,
+    R,
     NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -115,9 +119,12 @@ def _lora_expand_kernel(
         h += tl.load(h_ptrs + sp * stride_bsp, mask=h_mask, other=0.0)
     h = h.to(WDT).to(CDT)
 
+    # NOTE: B is read across all BLOCK_R columns, not masked by the slot's rank (a runtime value, which
+    # would make the load scalar along r, B's contiguous axis): h is 0 past the rank, and B's columns
+    # there are finite (the layers keep them zero), so they add nothing.
     w = tl.load(
         w_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wn + offs_r[:, None] * stride_wr,
-        mask=r_mask[:, None] & n_mask[None, :],
+        mask=(offs_r < R)[:, None] & n_mask[None, :],
         other=0.0,
     )  # (BLOCK_R, BLOCK_N)
     if IEEE:
@@ -140,6 +147,8 @@ def lora_expand(
     exact_fp32: bool = True,
 ) -> None:
     """y (T, N) += per-slice B_i(buf_i) at columns offset + sum(N_<i); buf from ``lora_shrink``.
+
+    B's columns at r >= a slot's rank must be finite (they multiply zeros; the layers keep them 0).
 
     ``exact_fp32``: with fp32 B, multiply in true fp32 (fp32 models); False (half-precision models)
     lets the tensor cores take tf32 products, still accumulated in fp32 (see utils.compute_dtype_of).
@@ -182,7 +191,7 @@ def lora_expand(
         T, meta.num_segs, sizes[0], sizes[1], sizes[2], tiles[0], tiles[0] + tiles[1], offset,
         buf.stride(0), buf.stride(1), buf.stride(2),
         b0.stride(0), b1.stride(0), b2.stride(0), R, 1,
-        y.stride(0), y.stride(1), split,
+        y.stride(0), y.stride(1), split, R,
         NUM_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         WDT=tl_dtype(b0.dtype), CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and exact_fp32,
         num_warps=4,

@@ -19,7 +19,10 @@ from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
 from loraserve.lora.punica import SegmentMeta
 
 
-@triton.jit(do_not_specialize=["T", "S", "K", "k_per_split", "NUM_RBLOCKS", "SPLIT_K"])
+# NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
+# multiples of 16 and vectorizes the masked loads along the contiguous axis; as runtime ints every
+# masked load there went scalar. Specializing compiles once per divisibility class, not per value.
+@triton.jit(do_not_specialize=["T", "S", "NUM_RBLOCKS", "SPLIT_K"])
 def _lora_shrink_kernel(
     x_ptr,
     a0_ptr,
