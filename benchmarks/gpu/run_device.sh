@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu/run_device.sh kernels   # kernel tests + bench_lora_kernels + bench_moe
 #   bash benchmarks/gpu/run_device.sh tests     # every GPU test
 #   bash benchmarks/gpu/run_device.sh e2e       # bench_e2e (Llama-8B and Qwen-0.5B shapes, HF + PEFT)
+#   bash benchmarks/gpu/run_device.sh moe       # bench_moe only
 #   bash benchmarks/gpu/run_device.sh tune      # bench_moe --tune: the grouped GEMM's tile sweep
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -25,8 +26,11 @@ for stage in "$@"; do
         tune)
             timeout 240 python3 benchmarks/gpu/bench_moe.py --tune --json "$OUT/moe_tune.json" 2>&1 | tee "$OUT/moe_tune.txt"
             ;;
+        moe)
+            timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"
+            ;;
         e2e)
-            timeout 540 python3 benchmarks/gpu/bench_e2e.py --bf16-loras --json "$OUT/e2e.json" 2>&1 | tee "$OUT/bench_e2e.txt"
+            timeout 470 python3 benchmarks/gpu/bench_e2e.py --bf16-loras --json "$OUT/e2e.json" 2>&1 | tee "$OUT/bench_e2e.txt"
             ;;
         *) echo "unknown stage $stage" ;;
     esac

@@ -99,16 +99,17 @@ class GemmTiles:
 
 def default_tiles(block_m: int) -> GemmTiles:
     """Decode-size blocks (16, 32 rows) stream the weights with wide N tiles; prefill-size blocks
-    (64, 128 rows) are compute-bound and take 128-wide tiles with a deeper pipeline.
+    (64, 128 rows) are compute-bound and take 256-wide tiles on 8 warps.
 
-    NOTE: from a sweep on the H200 (``benchmarks/gpu/bench_moe.py --tune``): 64x64x64 on 4 warps
-    (the first version) ran Mixtral's prefill at 0.2-0.5x the per-expert cuBLAS loop.
+    NOTE: from a sweep on the H200 (``benchmarks/gpu/bench_moe.py --tune``, 38 configs): x256x64 on 8
+    warps was the fastest at both 64 and 128 rows for Mixtral and Qwen3-MoE prefill (0.9-1.2x the
+    per-expert cuBLAS matmuls on Mixtral's 8 big experts).
     """
     if block_m <= 32:
         return GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=3)
     if block_m == 64:
-        return GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=4)
-    return GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=3)
+        return GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
+    return GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
 def moe_gemm(
