@@ -28,7 +28,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # (B, max_blocks) int32, for GPU kernels
     seq_info: torch.Tensor | None = None  # (B, 3) int32 [query_start, query_len, context_len], GPU kernels
     block_size: int = 16  # KV cache block size: slot = block * block_size + offset
-    gpu_cache: dict = field(default_factory=dict)  # per-forward derived tensors (GPU work lists)
+    gpu_cache: dict = field(default_factory=dict)  # per-forward derived tensors (GPU work lists, rope cos/sin)
 
     @property
     def num_seqs(self) -> int:
@@ -64,6 +64,10 @@ def forward_context(attn: AttentionMetadata | None = None, lora: LoRAMapping | N
 def get_forward_context() -> ForwardContext:
     if _CURRENT is None:
         raise RuntimeError("no forward_context: run the model inside `with forward_context(...)`")
+    return _CURRENT
+
+
+def get_forward_context_or_none() -> ForwardContext | None:
     return _CURRENT
 
 

@@ -6,10 +6,15 @@ yarn also scales cos/sin by its attention factor.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
 from torch import nn
+
+from loraserve.forward_context import get_forward_context_or_none
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def rope_parameters(hf_config) -> dict:
@@ -89,23 +94,62 @@ class RotaryEmbedding(nn.Module):
             params, self.rotary_dim, getattr(hf_config, "max_position_embeddings", 2048)
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._key = (self.rotary_dim, float(self.attention_scaling), tuple(inv_freq.tolist()))  # same rope, same cos/sin
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        h = x.shape[-1] // 2
-        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (T, rotary_dim) in ``dtype``, rows cat(f, f) (HF's layout and roundings).
+
+        Inside a forward they are computed once and shared by every layer with the same rope (the
+        forward's ``AttentionMetadata.gpu_cache``): ~8 small kernels per step instead of per layer.
+        """
+        ctx = get_forward_context_or_none()
+        cache = ctx.attn.gpu_cache if ctx is not None and ctx.attn is not None else None
+        key = ("rope", self._key, dtype, positions.data_ptr(), positions.shape[0])
+        if cache is not None and key in cache:
+            return cache[key]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        out = ((emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype))
+        if cache is not None:
+            cache[key] = out
+        return out
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (T, Hq, D), k (T, Hk, D), positions (T,) -> rotated q, k (same dtype)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
-        cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]
-        sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]
-        rd = self.rotary_dim
+        cos, sin = self.cos_sin(positions, q.dtype)
+        if q.is_cuda and _HAS_TRITON:
+            return self._rotate_gpu(q, k, cos, sin)
+        return rotate_torch(q, cos, sin), rotate_torch(k, cos, sin)
 
-        def apply(x: torch.Tensor) -> torch.Tensor:
-            rot, rest = x[..., :rd], x[..., rd:]
-            rot = rot * cos + self._rotate_half(rot) * sin
-            return torch.cat((rot, rest), dim=-1) if rest.numel() else rot
+    @staticmethod
+    def _rotate_gpu(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton launch; q and k as one (T, Hq + Hk, D) view when k's heads follow q's in memory
+        (the qkv projection's output, split), else one launch each."""
+        from loraserve.layers.triton_elementwise import rotary
 
-        return apply(q), apply(k)
+        T, Hq, D = q.shape
+        adjacent = (
+            k.dtype == q.dtype and k.shape[0] == T and k.shape[2] == D and k.stride() == q.stride()
+            and q.stride(1) == D and q.stride(2) == 1
+            and k.data_ptr() == q.data_ptr() + Hq * D * q.element_size()
+        )  # fmt: skip
+        if not adjacent:
+            return rotary(q, cos, sin), rotary(k, cos, sin)
+        qk = q.as_strided((T, Hq + k.shape[1], D), q.stride())
+        out = rotary(qk, cos, sin)
+        return out[:, :Hq], out[:, Hq:]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) rotated by cos/sin (T, rotary_dim): the reference (HF's apply_rotary_pos_emb); the
+    Triton kernel is checked against it."""
+    rd = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot, rest = x[..., :rd], x[..., rd:]
+    rot = rot * cos + _rotate_half(rot) * sin
+    return torch.cat((rot, rest), dim=-1) if rest.numel() else rot
