@@ -1,8 +1,9 @@
 """The fused elementwise kernels (RMSNorm, SiLU-and-mul, rotary) against their torch references.
 
-Same roundings by construction (``layers/triton_elementwise.py``): fp32 within float error; bf16 equal
-up to one bf16 step (RMSNorm's mean sums in another order; exp/sin may differ by an fp32 ulp, which
-can flip a rounding). Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (fp32 only there).
+fp32: within float error. bf16: RMSNorm and SiLU-and-mul within one bf16 step of their output;
+rotary by the issue's kernel criterion, max |diff| / max |ref| < 1e-2 (seen on the H200: 11 of 640
+outputs one bf16 step of the *products* apart, which cancellation makes large relative to a small
+sum). Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (fp32 only there).
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ from loraserve.layers.triton_elementwise import rms_norm, rotary, silu_and_mul  
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEV.type == "cuda" else [])
 
 
-def close(got, want):
+def close(got, want, per_element=True):
     assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
     if want.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    elif not per_element:
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err < 1e-2, f"relative error {err:.2e}"
+        assert (got == want).float().mean() > 0.95
     else:  # at most one bf16 step (2^-8 relative) anywhere, and nearly all elements equal
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
         assert (got == want).float().mean() > 0.99
@@ -75,7 +80,7 @@ def test_rotary_equals_torch(dtype, T, H, D, rd):
     freqs = pos.float()[:, None] * inv[None, :]
     emb = torch.cat((freqs, freqs), -1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    close(rotary(x, cos, sin), rotate_torch(x, cos, sin))
+    close(rotary(x, cos, sin), rotate_torch(x, cos, sin), per_element=False)
 
 
 class _Cfg:  # the few config fields RotaryEmbedding reads
@@ -101,8 +106,8 @@ def test_rotary_embedding_on_split_qkv_equals_torch_and_shares_cos_sin(dtype):
         rope(pos, q, k)
         assert len(md.gpu_cache) == 1 and all(a is b for a, b in zip(cached.values(), md.gpu_cache.values()))
     cos, sin = rope.cos_sin(pos, dtype)
-    close(got_q, rotate_torch(q, cos, sin))
-    close(got_k, rotate_torch(k, cos, sin))
+    close(got_q, rotate_torch(q, cos, sin), per_element=False)
+    close(got_k, rotate_torch(k, cos, sin), per_element=False)
     q2, k2 = q.contiguous(), k.contiguous()  # not adjacent: one launch each
     got_q2, got_k2 = rope(pos, q2, k2)
     close(got_q2, got_q)
