@@ -2,8 +2,8 @@
 
 fp32: within float error. bf16: RMSNorm and SiLU-and-mul within one bf16 step of their output;
 rotary by the issue's kernel criterion, max |diff| / max |ref| < 1e-2 (seen on the H200: 11 of 640
-outputs one bf16 step of the *products* apart, which cancellation makes large relative to a small
-sum). Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (fp32 only there).
+outputs off by 0.0078, one bf16 step of the *products*, which cancellation makes large relative to a
+small sum). Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (fp32 only there).
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ def close(got, want, per_element=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     elif not per_element:
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-        assert err < 1e-2, f"relative error {err:.2e}"
-        assert (got == want).float().mean() > 0.95
+        assert err < 1e-2, f"relative error {err:.2e} ({(got == want).float().mean().item():.1%} equal)"
     else:  # at most one bf16 step (2^-8 relative) anywhere, and nearly all elements equal
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
         assert (got == want).float().mean() > 0.99
