@@ -16,12 +16,12 @@ for stage in "$@"; do
     start=$SECONDS
     case "$stage" in
         kernels)
-            timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_triton_moe.py tests/gpu/test_triton_lora.py 2>&1 | tail -15 | tee "$OUT/kernel_tests.txt"
+            timeout 200 python3 -m pytest -o addopts= -q -x -p no:cacheprovider tests/gpu/test_triton_moe.py tests/gpu/test_triton_lora.py 2>&1 | tail -15 | tee "$OUT/kernel_tests.txt"
             timeout 200 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"
             timeout 200 python3 benchmarks/gpu/bench_lora_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.txt"
             ;;
         tests)
-            timeout 330 python3 -m pytest -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
+            timeout 330 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
             ;;
         tune)
             timeout 240 python3 benchmarks/gpu/bench_moe.py --tune --json "$OUT/moe_tune.json" 2>&1 | tee "$OUT/moe_tune.txt"
