@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
+from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype, use_pdl
 from loraserve.lora.punica import SegmentMeta
 
 
@@ -60,6 +60,7 @@ def _lora_expand_kernel(
     WDT: tl.constexpr,
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -111,14 +112,6 @@ def _lora_expand_kernel(
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_size
 
-    # (BLOCK_M, BLOCK_R): the shrink's partials, summed in fp32, then rounded to B's dtype
-    h_ptrs = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
-    h_mask = m_mask[:, None] & r_mask[None, :]
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for sp in range(SPLIT_K):
-        h += tl.load(h_ptrs + sp * stride_bsp, mask=h_mask, other=0.0)
-    h = h.to(WDT).to(CDT)
-
     # NOTE: B is read across all BLOCK_R columns, not masked by the slot's rank (a runtime value, which
     # would make the load scalar along r, B's contiguous axis): h is 0 past the rank, and B's columns
     # there are finite (the layers keep them zero), so they add nothing.
@@ -127,6 +120,18 @@ def _lora_expand_kernel(
         mask=(offs_r < R)[:, None] & n_mask[None, :],
         other=0.0,
     )  # (BLOCK_R, BLOCK_N)
+    if USE_PDL:
+        # launched early (PDL): the mapping and B were written before this forward; buf (the shrink's)
+        # and y are read only after the kernel before us has finished and flushed
+        tl.extra.cuda.gdc_wait()
+    # (BLOCK_M, BLOCK_R): the shrink's partials, summed in fp32, then rounded to B's dtype
+    h_ptrs = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
+    h_mask = m_mask[:, None] & r_mask[None, :]
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for sp in range(SPLIT_K):
+        h += tl.load(h_ptrs + sp * stride_bsp, mask=h_mask, other=0.0)
+    h = h.to(WDT).to(CDT)
+
     if IEEE:
         delta = tl.dot(h, w.to(CDT), input_precision="ieee")
     else:
@@ -186,6 +191,7 @@ def lora_expand(
     b1 = lora_b[1] if n > 1 else b0
     b2 = lora_b[2] if n > 2 else b0
     grid = (sum(tiles), triton.cdiv(longest, block_m), meta.num_segs)
+    pdl = use_pdl(y.device)
     _lora_expand_kernel[grid](
         buf, b0, b1, b2, y, meta.packed, ranks,
         T, meta.num_segs, sizes[0], sizes[1], sizes[2], tiles[0], tiles[0] + tiles[1], offset,
@@ -194,5 +200,5 @@ def lora_expand(
         y.stride(0), y.stride(1), split, R,
         NUM_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         WDT=tl_dtype(b0.dtype), CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and exact_fp32,
-        num_warps=4,
+        USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip

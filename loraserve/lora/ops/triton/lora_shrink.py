@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
+from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype, use_pdl
 from loraserve.lora.punica import SegmentMeta
 
 
@@ -51,7 +51,11 @@ def _lora_shrink_kernel(
     BLOCK_R: tl.constexpr,
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched early (PDL): wait for the kernel before (the base GEMM) to finish and flush
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the expand may launch now; it waits for us before reading buf
     pid0 = tl.program_id(0)
     pid_m = tl.program_id(1)
     seg = tl.program_id(2)
@@ -157,6 +161,7 @@ def lora_shrink(
     a1 = lora_a[1] if n > 1 else a0
     a2 = lora_a[2] if n > 2 else a0
     grid = (split * n_rblocks * n, triton.cdiv(meta.max_seg_len, block_m), meta.num_segs)
+    pdl = use_pdl(x.device)
     _lora_shrink_kernel[grid](
         x, a0, a1, a2, buf, meta.packed, ranks,
         T, meta.num_segs, K, k_per_split,
@@ -166,6 +171,6 @@ def lora_shrink(
         NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
-        num_warps=4,
+        USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return buf

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton.language as tl
 
@@ -12,6 +15,20 @@ def tl_dtype(dtype: torch.dtype):
     if dtype not in _TL:
         raise TypeError(f"LoRA kernels take float32, bfloat16 or float16 tensors, got {dtype}")
     return _TL[dtype]
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and later): a LoRA kernel launches while the kernel before
+    it finishes and waits (``gdc_wait``) before touching its outputs, hiding the launch gap that
+    dominates decode-size LoRA ops. Off under the interpreter and with LORASERVE_PDL=0."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_on(index: int) -> bool:
+    return os.environ.get("LORASERVE_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def compute_dtype_of(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
