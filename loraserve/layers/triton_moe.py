@@ -97,16 +97,19 @@ class GemmTiles:
     num_stages: int
 
 
-def default_tiles(block_m: int) -> GemmTiles:
+def default_tiles(block_m: int, dtype: torch.dtype = torch.bfloat16) -> GemmTiles:
     """Decode-size blocks (16, 32 rows) stream the weights with wide N tiles; prefill-size blocks
-    (64, 128 rows) are compute-bound and take 256-wide tiles on 8 warps.
+    (64, 128 rows) are compute-bound and take 256-wide tiles on 8 warps (16-bit dtypes).
 
     NOTE: from a sweep on the H200 (``benchmarks/gpu/bench_moe.py --tune``, 38 configs): x256x64 on 8
     warps was the fastest at both 64 and 128 rows for Mixtral and Qwen3-MoE prefill (0.9-1.2x the
-    per-expert cuBLAS matmuls on Mixtral's 8 big experts).
+    per-expert cuBLAS matmuls on Mixtral's 8 big experts). fp32 tiles take twice the shared memory
+    per element: prefill blocks use 128x32 tiles there, (BM*BK + BK*BN) * 4 B * stages <= 96 KB.
     """
     if block_m <= 32:
         return GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=3)
+    if dtype == torch.float32:
+        return GemmTiles(block_n=128, block_k=32, num_warps=8 if block_m == 128 else 4, num_stages=3)
     if block_m == 64:
         return GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
     return GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3)
@@ -126,7 +129,7 @@ def moe_gemm(
     out = torch.empty(n, N, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    t = tiles or default_tiles(blocks.block_m)
+    t = tiles or default_tiles(blocks.block_m, x.dtype)
     grid = (blocks.num_blocks, triton.cdiv(N, t.block_n))
     _moe_gemm_kernel[grid](
         x, w, out, blocks.sorted_ids, blocks.block_group, n, N, K,
