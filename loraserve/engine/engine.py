@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from loraserve.config import EngineConfig, resolve_dtype
-from loraserve.engine.detokenizer import detokenize_incrementally, find_stop_string
+from loraserve.engine.detokenizer import detokenize_incrementally, fast_decoder, find_stop_string
 from loraserve.engine.kv_cache import BlockManager
 from loraserve.engine.model_runner import ModelRunner, RunnerOutput, size_kv_cache
 from loraserve.engine.sampler import Sampler, TopLogprobs, logprob_stats, unpack_logprobs
@@ -46,6 +46,7 @@ class LLMEngine:
         self.model_dir, self.model_name = resolve_model_dir(mc.model, config.env)
         self.hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self._decode = fast_decoder(self.tokenizer)
         self.device = torch.device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, getattr(self.hf_config, "dtype", None), self.device)
         self.max_model_len = mc.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
@@ -312,7 +313,7 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params
-        new_text = detokenize_incrementally(self.tokenizer, seq)
+        new_text = detokenize_incrementally(self._decode, seq)
         n_out = len(seq.output_token_ids)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and tok in self.eos_token_ids:

@@ -157,11 +157,10 @@ class ModelRunner:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + n
-            all_ids = seq.token_ids
             starts.append(len(ids))
             lens.append(n)
             ctx_lens.append(end)
-            ids.extend(all_ids[start:end])
+            ids.extend(seq.token_slice(start, end))
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq, start, end))
             token_lora.extend([seq.lora_int_id] * n)

@@ -65,6 +65,17 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        """``token_ids[start:end]`` without building the whole prompt + output list (a per-step cost
+        that grows with the context, paid for every running sequence)."""
+        p = self.prompt_token_ids
+        n = len(p)
+        if start >= n:
+            return self.output_token_ids[start - n : None if end is None else end - n]
+        if end is not None and end <= n:
+            return p[start:end]
+        return p[start:] + self.output_token_ids[: None if end is None else end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from loraserve import SamplingParams
-from loraserve.engine.detokenizer import detokenize_incrementally, find_stop_string
+from loraserve.engine.detokenizer import detokenize_incrementally, fast_decoder, find_stop_string
 from loraserve.engine.sequence import Sequence
 
 TEXTS = [
@@ -44,9 +44,10 @@ def make_seq(prompt: list[int], **kw) -> Sequence:
 def stream(tok, prompt: list[int], out: list[int], **kw) -> tuple[Sequence, list[str]]:
     seq = make_seq(prompt, **kw)
     pieces = []
+    decode = fast_decoder(tok)
     for t in out:
         seq.output_token_ids.append(t)
-        pieces.append(detokenize_incrementally(tok, seq))
+        pieces.append(detokenize_incrementally(decode, seq))
     return seq, pieces
 
 
@@ -102,3 +103,32 @@ def test_find_stop_string_first_occurrence_and_no_match():
     assert seq.text == "ab"  # cut at the first occurrence
     seq = with_text("abc", "def", stop=["zzz", "cdx"])
     assert find_stop_string(seq, 3) is None and seq.text == "abcdef"
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_fast_decoder_equals_tokenizer_decode(tok, clean_up):
+    """The backend shortcut (clean-up off) and the fallback (clean-up on) both return decode()'s text."""
+    import random
+
+    tok.clean_up_tokenization_spaces = clean_up
+    try:
+        decode = fast_decoder(tok)
+        rng = random.Random(0)
+        eos = tok.convert_tokens_to_ids("<eos>")
+        for _ in range(200):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 12))] + [eos] * rng.randrange(2)
+            rng.shuffle(ids)
+            for skip in (False, True):
+                assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip), ids
+    finally:
+        tok.clean_up_tokenization_spaces = False
+
+
+def test_token_slice_equals_slicing_the_whole_list():
+    seq = make_seq([1, 2, 3, 4])
+    seq.output_token_ids.extend([5, 6, 7])
+    whole = seq.token_ids
+    for start in range(len(whole) + 1):
+        assert seq.token_slice(start) == whole[start:]
+        for end in range(start, len(whole) + 1):
+            assert seq.token_slice(start, end) == whole[start:end], (start, end)
