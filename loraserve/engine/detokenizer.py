@@ -16,10 +16,27 @@ def fast_decoder(tokenizer) -> Decode:
     NOTE: the wrapper's own work (argument conversion, type checks) was ~2/3 of the engine's
     postprocess time per decode step (two decodes per sequence per token).
     """
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode") and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    if _plain_fast_tokenizer(tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        backend = tokenizer._tokenizer
         return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def _plain_fast_tokenizer(tokenizer) -> bool:
+    """A transformers fast tokenizer whose decode is the base class's (some subclasses, e.g. Whisper's
+    or Marian's, post-process in their own ``_decode``: those keep the wrapper)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return False
+    cls = type(tokenizer)
+    return (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and hasattr(getattr(tokenizer, "_tokenizer", None), "decode")
+    )
 
 
 def detokenize_incrementally(decode: Decode, seq: Sequence) -> str:

@@ -110,6 +110,9 @@ def test_fast_decoder_equals_tokenizer_decode(tok, clean_up):
     """The backend shortcut (clean-up off) and the fallback (clean-up on) both return decode()'s text."""
     import random
 
+    from loraserve.engine.detokenizer import _plain_fast_tokenizer
+
+    assert _plain_fast_tokenizer(tok)  # the shortcut applies to this tokenizer when clean-up is off
     tok.clean_up_tokenization_spaces = clean_up
     try:
         decode = fast_decoder(tok)
