@@ -132,6 +132,9 @@ class RotaryEmbedding(nn.Module):
             k.dtype == q.dtype and k.shape[0] == T and k.shape[2] == D and k.stride() == q.stride()
             and q.stride(1) == D and q.stride(2) == 1
             and k.data_ptr() == q.data_ptr() + Hq * D * q.element_size()
+            # NOTE: one storage, not just neighbouring addresses: two separate allocations (q/k-norm
+            # outputs at T == 1) can sit back to back, and as_strided past q's storage raises
+            and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
         )  # fmt: skip
         if not adjacent:
             return rotary(q, cos, sin), rotary(k, cos, sin)

@@ -104,7 +104,9 @@ def default_tiles(block_m: int, dtype: torch.dtype = torch.bfloat16) -> GemmTile
     NOTE: from a sweep on the H200 (``benchmarks/gpu/bench_moe.py --tune``, 38 configs): x256x64 on 8
     warps was the fastest at both 64 and 128 rows for Mixtral and Qwen3-MoE prefill (0.9-1.2x the
     per-expert cuBLAS matmuls on Mixtral's 8 big experts). fp32 tiles take twice the shared memory
-    per element: prefill blocks use 128x32 tiles there, (BM*BK + BK*BN) * 4 B * stages <= 96 KB.
+    per element: prefill blocks use 128x32 tiles there, so even with every stage buffered
+    (BM*BK + BK*BN) * 4 B * stages <= 96 KB (the gathered x rows are evidently not multi-buffered:
+    compiled for sm90 the kernel takes 40-64 KB).
     """
     if block_m <= 32:
         return GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=3)

@@ -111,3 +111,21 @@ def test_rotary_embedding_on_split_qkv_equals_torch_and_shares_cos_sin(dtype):
     got_q2, got_k2 = rope(pos, q2, k2)
     close(got_q2, got_q)
     close(got_k2, got_k)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_rotate_gpu_fuses_only_views_of_one_storage(T):
+    """q/k as split views of one qkv row: one launch over both. q and k in two allocations that sit
+    back to back (q/k-norm outputs at T == 1 can): rotated separately, not read past q's storage."""
+    Hq, Hk, D = 4, 4, 32
+    f = torch.rand(T, D // 2, generator=torch.Generator().manual_seed(1)).to(DEV) * 6  # rows are cat(f, f)
+    cos, sin = torch.cat((f, f), -1).cos(), torch.cat((f, f), -1).sin()
+    flat = torch.randn(T * (Hq + Hk) * D, generator=torch.Generator().manual_seed(3)).to(DEV)
+    qkv = flat.view(T, (Hq + Hk) * D)
+    q, k = qkv[:, : Hq * D].view(T, Hq, D), qkv[:, Hq * D :].view(T, Hk, D)
+    if T == 1:  # separate storages at neighbouring addresses
+        q = torch.from_numpy(flat.cpu().numpy()[: Hq * D]).view(T, Hq, D).to(DEV) if DEV.type == "cpu" else q
+        k = torch.from_numpy(flat.cpu().numpy()[Hq * D :]).view(T, Hk, D).to(DEV) if DEV.type == "cpu" else k
+    got_q, got_k = RotaryEmbedding._rotate_gpu(q, k, cos, sin)
+    close(got_q, rotate_torch(q, cos, sin))
+    close(got_k, rotate_torch(k, cos, sin))
