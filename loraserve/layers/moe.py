@@ -22,7 +22,6 @@ Two paths compute the experts (``backend``):
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -34,6 +33,7 @@ from torch import nn
 from loraserve.distributed.comm import tp_all_reduce
 from loraserve.distributed.parallel_state import divide, get_tp_rank, get_tp_size
 from loraserve.layers.linear import ReplicatedLinear
+from loraserve.layers.triton_dispatch import on_triton
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -51,7 +51,6 @@ class RoutingConfig:
     weights_fp32: bool = False
 
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 class ExpertHook(Protocol):
@@ -112,7 +111,7 @@ class FusedMoE(nn.Module):
         if self.backend not in ("auto", "torch", "triton"):
             raise ValueError(f"FusedMoE.backend must be 'auto', 'torch' or 'triton', not {self.backend!r}")
         if self.backend == "auto":
-            return x.is_cuda and _HAS_TRITON
+            return on_triton(x)
         return self.backend == "triton"
 
     # ---- weights ----------------------------------------------------------------------------------

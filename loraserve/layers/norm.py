@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 from torch import nn
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+from loraserve.layers.triton_dispatch import elementwise_kernels, on_triton
 
 
 class RMSNorm(nn.Module):
@@ -17,10 +15,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and _HAS_TRITON:  # one launch instead of ~6 (same roundings: triton_elementwise.py)
-            from loraserve.layers.triton_elementwise import rms_norm
-
-            return rms_norm(x, self.weight, self.eps)
+        if on_triton(x):  # one launch instead of ~6 (same roundings: triton_elementwise.py)
+            return elementwise_kernels().rms_norm(x, self.weight, self.eps)
         return rms_norm_torch(x, self.weight, self.eps)
 
 

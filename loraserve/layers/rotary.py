@@ -6,15 +6,13 @@ yarn also scales cos/sin by its attention factor.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import torch
 from torch import nn
 
 from loraserve.forward_context import get_forward_context_or_none
-
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+from loraserve.layers.triton_dispatch import elementwise_kernels, on_triton
 
 
 def rope_parameters(hf_config) -> dict:
@@ -117,7 +115,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (T, Hq, D), k (T, Hk, D), positions (T,) -> rotated q, k (same dtype)."""
         cos, sin = self.cos_sin(positions, q.dtype)
-        if q.is_cuda and _HAS_TRITON:
+        if on_triton(q):
             return self._rotate_gpu(q, k, cos, sin)
         return rotate_torch(q, cos, sin), rotate_torch(k, cos, sin)
 
@@ -125,8 +123,7 @@ class RotaryEmbedding(nn.Module):
     def _rotate_gpu(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """One Triton launch; q and k as one (T, Hq + Hk, D) view when k's heads follow q's in memory
         (the qkv projection's output, split), else one launch each."""
-        from loraserve.layers.triton_elementwise import rotary
-
+        rotary = elementwise_kernels().rotary
         T, Hq, D = q.shape
         adjacent = (
             k.dtype == q.dtype and k.shape[0] == T and k.shape[2] == D and k.stride() == q.stride()
