@@ -8,18 +8,11 @@ small sum). Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (fp32 only 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from gpu.triton_device import triton_device
 
-pytest.importorskip("triton")
-if torch.cuda.is_available():
-    DEV = torch.device("cuda")
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEV = torch.device("cpu")
-else:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+DEV = triton_device()
 
 from loraserve.forward_context import AttentionMetadata, forward_context  # noqa: E402
 from loraserve.layers.activation import silu_and_mul_torch  # noqa: E402

@@ -11,18 +11,11 @@ Runs on CUDA (the device machine), or on the CPU under ``TRITON_INTERPRET=1`` wi
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from gpu.triton_device import triton_device
 
-pytest.importorskip("triton")
-if torch.cuda.is_available():
-    DEV = torch.device("cuda")
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEV = torch.device("cpu")
-else:
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+DEV = triton_device()
 
 from loraserve.config import LoRAConfig  # noqa: E402
 from loraserve.forward_context import forward_context  # noqa: E402

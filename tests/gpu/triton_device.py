@@ -1,0 +1,20 @@
+"""The device the Triton kernel tests run on: CUDA, or the CPU under ``TRITON_INTERPRET=1``; else skip.
+
+Call ``triton_device()`` at module level, before importing anything that imports triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def triton_device() -> torch.device:
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")
+    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
