@@ -13,8 +13,8 @@ def fast_decoder(tokenizer) -> Decode:
     """``tokenizer.decode`` as a plain function; for a transformers fast tokenizer without space
     clean-up, the Rust backend's decode itself, which is what transformers' ``decode`` returns then.
 
-    NOTE: the wrapper's own work (argument conversion, type checks) was ~2/3 of the engine's
-    postprocess time per decode step (two decodes per sequence per token).
+    NOTE: the wrapper's own work (argument conversion, type checks) was ~40% of the engine's
+    postprocess time per decode step (cProfile, batch 32, two decodes per sequence per token).
     """
     if _plain_fast_tokenizer(tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         backend = tokenizer._tokenizer

@@ -195,7 +195,7 @@ class ModelRunner:
         return step, _OutputPlan(out, prompt_rows, sample_row0)
 
     @torch.inference_mode()
-    def execute(self, step: PreparedStep, lora_mapping: LoRAMapping | None = None) -> torch.Tensor | None:
+    def execute(self, step: PreparedStep) -> torch.Tensor | None:
         """The forward of one step (on every TP rank): logits (len(logit_rows), V) fp32, or None."""
         if self.graphs is not None and self.graphs.can_run(step):
             try:
@@ -226,7 +226,8 @@ class ModelRunner:
             md.seq_info, md.block_tables = self._gpu_seq_tables(
                 step.block_tables, step.query_starts, step.query_lens, step.context_lens
             )
-        if lora_mapping is None and step.token_slots is not None:
+        lora_mapping = None
+        if step.token_slots is not None:
             lora_mapping = LoRAMapping.build(step.token_slots, step.logit_slots, dev)
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(step.positions, dtype=torch.long, device=dev)

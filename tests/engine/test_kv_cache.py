@@ -253,11 +253,11 @@ def test_a_failing_step_leaves_nothing_behind(tmp_path, monkeypatch):
     calls = {"n": 0}
     real = eng.runner.execute
 
-    def flaky(step, lora_mapping=None):
+    def flaky(step):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return real(step, lora_mapping)
+        return real(step)
 
     monkeypatch.setattr(eng.runner, "execute", flaky)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
