@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu/run_device.sh e2e       # bench_e2e (Llama-8B and Qwen-0.5B shapes, HF + PEFT)
 #   bash benchmarks/gpu/run_device.sh moe       # bench_moe only
 #   bash benchmarks/gpu/run_device.sh tune      # bench_moe --tune: the grouped GEMM's tile sweep
+#   bash benchmarks/gpu/run_device.sh decode    # bench_decode_linear --tune: decode GEMM (+ fused LoRA) vs cuBLAS
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -25,6 +26,9 @@ for stage in "$@"; do
             ;;
         tune)
             timeout 240 python3 benchmarks/gpu/bench_moe.py --tune --json "$OUT/moe_tune.json" 2>&1 | tee "$OUT/moe_tune.txt"
+            ;;
+        decode)
+            timeout 300 python3 benchmarks/gpu/bench_decode_linear.py --tune --json "$OUT/decode.json" 2>&1 | tee "$OUT/bench_decode.txt"
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"

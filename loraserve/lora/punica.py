@@ -198,6 +198,24 @@ class PunicaWrapper:
         self.add_lora_linear(acc, x, lora_a_stacked, lora_b_stacked, output_slices, ranks)
         return acc.to(out.dtype)
 
+    def linear_with_lora(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        ranks: list[int],
+    ) -> torch.Tensor | None:
+        """The base GEMM and the LoRA delta in one go where a kernel does both (the GPU at decode sizes);
+        None elsewhere: then the caller runs ``F.linear`` and ``apply_lora_linear``."""
+        if self.kernels is None:
+            return None
+        mapping = self.mapping()
+        return self.kernels.linear_with_lora(
+            x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots
+        )
+
     def add_lora_embedding(
         self, y: torch.Tensor, ids: torch.Tensor, emb_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int]
     ) -> None:

@@ -10,6 +10,7 @@ fp32 tables whose last row is the identity, so indexing with a token's slot (-1 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from loraserve.config import LoRAConfig
 from loraserve.forward_context import current_lora_mapping
@@ -135,6 +136,23 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             self.lora_b_stacked[i][index, 0, :, :r].copy_(b, non_blocking=True)
             rank = max(rank, r)
         self.slot_ranks[index] = rank
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, weight, bias) + the per-token LoRA delta (``apply_lora``'s numbers).
+
+        At decode sizes on the GPU the delta rides in the GEMM's epilogue (one GEMM launch and the
+        shrink instead of a GEMM, a shrink and an expand); everywhere else, cuBLAS then ``apply_lora``.
+        """
+        mapping = current_lora_mapping()
+        if mapping is not None and mapping.has_lora and self.tp_size == 1:
+            active = mapping.active_slots
+            if not any(self.slot_has_bias[s] or self.slot_has_dora[s] for s in active):
+                y = self.punica_wrapper.linear_with_lora(
+                    x, weight, bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks
+                )
+                if y is not None:
+                    return y
+        return self.apply_lora(F.linear(x, weight, bias), x)
 
     def apply_lora(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out + per-token LoRA delta, accumulated in fp32 and rounded once (PEFT's non-mixed path)."""

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from loraserve.distributed.comm import tp_all_gather
 from loraserve.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear
@@ -41,7 +40,7 @@ class ColumnParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
-        y = self.apply_lora(F.linear(x, base.weight, base.bias), x)
+        y = self.linear(x, base.weight, base.bias)
         return tp_all_gather(y) if base.gather_output else y
 
     @classmethod

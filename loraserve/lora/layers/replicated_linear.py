@@ -16,7 +16,7 @@ class ReplicatedLinearWithLoRA(BaseLinearLayerWithLoRA):
         self.full_shapes = [(base_layer.input_size, base_layer.output_size)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.apply_lora(self.base_layer(x), x)
+        return self.linear(x, self.base_layer.weight, self.base_layer.bias)
 
     @classmethod
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None) -> bool:

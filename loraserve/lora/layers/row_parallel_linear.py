@@ -23,7 +23,7 @@ class RowParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
         base = self.base_layer
         if self.tp_size == 1:
             # NOTE: PEFT's order, y = (Wx + b) + s*B(Ax), for bit-equal bf16 results at TP=1
-            return self.apply_lora(base(x), x)
+            return self.linear(x, base.weight, base.bias)
         # B(A_i x_i) summed over ranks by the all-reduce = B(Ax)
         return base.finish(self.apply_lora(base.forward_partial(x), x))
 

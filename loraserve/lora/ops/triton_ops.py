@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from loraserve.lora.ops.triton import decode_linear as decode
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
+from loraserve.lora.ops.triton.utils import use_pdl
 from loraserve.lora.punica import SegmentMeta
 
 
@@ -60,6 +62,33 @@ class TritonLoRAOps:
             return
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank)
         lora_expand(y, buf, lora_b_stacked, meta, rank_dev, exact_fp32=x.dtype == torch.float32)
+
+    def linear_with_lora(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        ranks: list[int],
+        meta: SegmentMeta,
+        token_slots: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """x W^T + b + the per-token LoRA delta as two launches (shrink, then the GEMM with the expand
+        in its epilogue, PDL-overlapped), or None where ``decode_linear`` does not apply (too many
+        tokens, fp32, slices that are not multiples of its column block): the caller then runs the
+        GEMM and ``add_lora_linear``. Same numbers as that path (decode_linear.py's docstring)."""
+        slices = tuple(b.shape[2] for b in lora_b_stacked)
+        tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
+        if meta is None or not decode.supports(x, weight, slices, tiles):
+            return None
+        rank_dev = self.ranks_tensor(ranks)
+        max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
+        if max_rank == 0:
+            return decode.decode_linear(x, weight, bias, tiles=tiles)
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank)
+        epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, rank_dev, pdl=use_pdl(x.device))
+        return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
 
     def add_lora_embedding(
         self,

@@ -1,0 +1,302 @@
+"""A linear layer at decode sizes (a few tokens) with the LoRA expand in its epilogue: one launch.
+
+    y = round(x @ W^T + bias) + sum_i B_i[slot(t)] (s_i[t])      (slice i owns columns [off_i, off_i + N_i))
+
+where ``s`` is ``lora_shrink``'s output (split-K partials of x @ A_i[slot(t)]^T, summed here).
+
+Why: at decode sizes a LoRA'd op was three launches (cuBLAS GEMM, shrink, expand), and the two LoRA
+kernels cost ~10-15 µs per op on the H200 whatever they moved: launch and latency, not bytes. Here the
+expand rides on the GEMM that already streams W: each program, after its K loop over its BLOCK_N rows
+of W, adds the delta of those columns. The shrink stays a launch of its own before the GEMM; under
+programmatic dependent launch (Hopper) the GEMM starts while the shrink runs, streams W, and waits
+(``gdc_wait``) only before reading the shrink's partials. So the LoRA costs roughly its bytes (A and B
+of the active slots) instead of two serial kernels.
+
+Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
+axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). No split-K: programs
+own disjoint column blocks, so every output element is written once, and deterministically.
+
+Numerics (the same as the unfused path, cuBLAS GEMM then the expand kernel): fp32 accumulation, bias
+added in fp32, the base output rounded to y's dtype, then the delta (fp32: s rounded to B's dtype,
+products tf32 for fp32 B with half activations, as ``lora_expand``) added and rounded once more. This
+is PEFT's order, ``result = base(x); result = result + lora_B(lora_A(x)) * s`` with the fp32 sum rounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
+
+MAX_TOKENS = 64  # the largest batch this kernel serves (a decode step's tokens); beyond it, cuBLAS
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """One launch configuration. ``block_n`` must divide every LoRA slice's width (tiles never straddle
+    two slices); ``block_k`` need not divide K (the last K block is masked)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclass
+class ExpandEpilogue:
+    """What the epilogue needs: the shrink's partials and the slots' B and ranks.
+
+    buf: (SPLIT_K, n_slices, M, R) fp32 from ``lora_shrink`` (rows of base tokens and columns past a
+    slot's rank are never read). lora_b: per slice (S, 1, N_i, R), contiguous. token_slots: (M,) int
+    on the device, -1 = base. ranks: (S,) int32 on the device.
+    """
+
+    buf: torch.Tensor
+    lora_b: tuple[torch.Tensor, ...]
+    token_slots: torch.Tensor
+    ranks: torch.Tensor
+    pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
+
+
+def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
+    """The tiles for a (M, K) x (N, K)^T product. NOTE: to be tuned on the H200 by
+    ``benchmarks/gpu/bench_decode_linear.py --tune``; small column blocks where N is small so that the
+    grid covers the chip without split-K."""
+    block_n = 32 if N <= 8192 else 64
+    return DecodeTiles(block_n=block_n, block_k=256 if K % 256 == 0 else 128, num_warps=4, num_stages=4)
+
+
+# NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
+# of 16 and vectorizes the loads; only M (the token count) is a runtime value.
+@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
+def _decode_linear_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    # LoRA expand epilogue (unused when not HAS_LORA)
+    buf_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    slots_ptr,
+    rank_ptr,
+    S,
+    SPLIT_K,
+    N0,
+    N1,
+    stride_bsp,
+    stride_bi,
+    stride_bm,
+    stride_ws0,
+    stride_ws1,
+    stride_ws2,
+    R: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    CDT: tl.constexpr,
+    IEEE: tl.constexpr,
+    LORA_WDT: tl.constexpr,
+    LORA_CDT: tl.constexpr,
+    LORA_IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k + offs_k) < K
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)), input_precision="ieee")
+        else:
+            acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)))
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out_dt = y_ptr.dtype.element_ty
+    y = acc.to(out_dt)  # (BLOCK_N, BLOCK_M): the base output, rounded as cuBLAS's would be
+
+    if HAS_LORA:
+        # which slice owns this column block (block_n divides every slice, so one slice per program)
+        # NOTE: `pid_n * 0 + c`: every branch of a runtime `if` must give a variable the same type
+        col0 = pid_n * BLOCK_N
+        if NUM_SLICES == 1:
+            sl = pid_n * 0
+            b_ptr = b0_ptr
+            stride_ws = stride_ws0
+            n_loc0 = col0
+        else:
+            if col0 < N0:
+                sl = pid_n * 0
+                b_ptr = b0_ptr
+                stride_ws = stride_ws0
+                n_loc0 = col0
+            elif col0 < N0 + N1:
+                sl = pid_n * 0 + 1
+                b_ptr = b1_ptr
+                stride_ws = stride_ws1
+                n_loc0 = col0 - N0
+            else:
+                sl = pid_n * 0 + 2
+                b_ptr = b2_ptr
+                stride_ws = stride_ws2
+                n_loc0 = col0 - N0 - N1
+        slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)  # (BLOCK_M,)
+        has_slot = slot >= 0
+        rank = tl.load(rank_ptr + tl.maximum(slot, 0), mask=has_slot, other=0)  # (BLOCK_M,)
+        offs_r = tl.arange(0, BLOCK_R)
+        loc_n = n_loc0 + tl.arange(0, BLOCK_N)
+        if USE_PDL:
+            # launched while the shrink runs (PDL): its partials are read only after it has finished
+            tl.extra.cuda.gdc_wait()
+        # s (BLOCK_M, BLOCK_R): the shrink's split-K partials for this slice, summed in fp32; rows of
+        # base tokens and columns past each token's rank are zero (never read: buf is not zeroed)
+        s_mask = (has_slot & m_mask)[:, None] & (offs_r[None, :] < rank[:, None])
+        s_ptrs = buf_ptr + sl * stride_bi + offs_m[:, None] * stride_bm + offs_r[None, :]
+        s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for sp in range(SPLIT_K):
+            s += tl.load(s_ptrs + sp * stride_bsp, mask=s_mask, other=0.0)
+        s = s.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
+        delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        # NOTE: one small MMA per slot present among the tokens: each token's delta uses its own slot's
+        # B, so the tokens of other slots are masked to zero; slots absent from the batch cost nothing
+        for j in range(S):
+            mine = slot == j
+            if tl.sum(mine.to(tl.int32), axis=0) > 0:
+                # B's columns past the slot's rank are read unmasked along r (they multiply zeros in s)
+                b = tl.load(
+                    b_ptr + j * stride_ws + loc_n[:, None] * R + offs_r[None, :],
+                    mask=(offs_r < R)[None, :],
+                    other=0.0,
+                )  # (BLOCK_N, BLOCK_R)
+                sj = tl.where(mine[:, None], s, tl.zeros_like(s))
+                if LORA_IEEE:
+                    delta += tl.dot(b.to(LORA_CDT), tl.trans(sj), input_precision="ieee")
+                else:
+                    delta += tl.dot(b.to(LORA_CDT), tl.trans(sj))
+        y = (y.to(tl.float32) + delta).to(out_dt)
+
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, y, mask=n_mask[:, None] & m_mask[None, :])
+
+
+def _block_m(M: int) -> int:
+    return 16 if M <= 16 else (32 if M <= 32 else 64)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, slices: tuple[int, ...] | None = None,
+             tiles: DecodeTiles | None = None) -> bool:  # fmt: skip
+    """Whether ``decode_linear`` takes this product (else the caller uses cuBLAS + shrink/expand)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[0] == 0 or x.shape[0] > MAX_TOKENS:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return False
+    if x.stride(1) != 1 or weight.stride(1) != 1 or x.device != weight.device:
+        return False
+    N, K = weight.shape
+    if x.shape[1] != K or K % 16 != 0:
+        return False
+    if slices is not None:
+        t = tiles or default_tiles(x.shape[0], N, K, x.dtype)
+        if len(slices) > 3 or sum(slices) != N or any(n % t.block_n for n in slices):
+            return False
+    return True
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    lora: ExpandEpilogue | None = None,
+    tiles: DecodeTiles | None = None,
+) -> torch.Tensor:
+    """y (M, N) = x (M, K) @ weight (N, K)^T (+ bias) (+ the LoRA delta of ``lora``), in x's dtype.
+
+    M <= 64 (a decode step); x and weight bf16/fp16, contiguous along K (``supports`` says which).
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    assert weight.shape == (N, K), f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}"
+    assert 0 < M <= MAX_TOKENS, f"decode_linear serves 1 to {MAX_TOKENS} tokens, got {M}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight must be contiguous along K"
+    assert bias is None or (bias.shape == (N,) and bias.stride(0) == 1)
+    tiles = tiles or default_tiles(M, N, K, x.dtype)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    cdt = compute_dtype_of(x.dtype, weight.dtype)
+    lora_args: tuple = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    lora_consts = dict(R=16, NUM_SLICES=1, BLOCK_R=16, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False)
+    pdl = False
+    if lora is not None:
+        b0 = lora.lora_b[0]
+        n_sl = len(lora.lora_b)
+        split, n_buf, m_buf, R = lora.buf.shape
+        assert 1 <= n_sl <= 3 and n_buf == n_sl and m_buf == M, f"buf {tuple(lora.buf.shape)} does not fit"
+        assert lora.buf.dtype == torch.float32 and lora.buf.stride(3) == 1
+        sizes = [b.shape[2] for b in lora.lora_b]
+        assert sum(sizes) == N and all(n % tiles.block_n == 0 for n in sizes), (
+            f"slices {sizes} must sum to N={N} and be multiples of block_n={tiles.block_n}"
+        )
+        for b in lora.lora_b:
+            assert b.dtype == b0.dtype and b.shape[0] == b0.shape[0] and b.shape[3] == R
+            assert b.stride()[1:] == (b.shape[2] * R, R, 1), "B must be contiguous (out, R) per slot"
+        assert lora.token_slots.shape == (M,) and lora.ranks.dtype == torch.int32
+        b1 = lora.lora_b[1] if n_sl > 1 else b0
+        b2 = lora.lora_b[2] if n_sl > 2 else b0
+        lcdt = compute_dtype_of(torch.float32 if b0.dtype == torch.float32 else b0.dtype, b0.dtype)
+        lora_args = (
+            lora.buf, b0, b1, b2, lora.token_slots, lora.ranks, b0.shape[0], split,
+            sizes[0], sizes[1] if n_sl > 1 else 0,
+            lora.buf.stride(0), lora.buf.stride(1), lora.buf.stride(2),
+            b0.stride(0), b1.stride(0), b2.stride(0),
+        )  # fmt: skip
+        lora_consts = dict(
+            R=R, NUM_SLICES=n_sl, BLOCK_R=max(16, triton.next_power_of_2(R)), LORA_WDT=tl_dtype(b0.dtype),
+            LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
+        )  # fmt: skip
+        pdl = lora.pdl
+    grid = (triton.cdiv(N, tiles.block_n),)
+    _decode_linear_kernel[grid](
+        x, weight, bias if bias is not None else x, y, M, N, K,
+        x.stride(0), weight.stride(0), y.stride(0),
+        *lora_args,
+        HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
+        BLOCK_M=_block_m(M), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
+        CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
+        USE_PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
+        **lora_consts,
+    )  # fmt: skip
+    return y
