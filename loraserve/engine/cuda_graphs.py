@@ -7,9 +7,11 @@ mapping as a static ``SegmentMeta`` (every slot has a segment; empty ones have l
 kernels skip). Padding rows write their K/V to a scratch slot past the block manager's blocks and
 have query length 0, so attention skips them; their logits are dropped.
 
-The LoRA graph serves any mix of adapters: which slot each token uses, and each slot's rank, are
-data, not shapes. Ranks live in device copies that ``refresh_ranks`` brings up to date before every
-replay (an adapter loaded into a slot after capture changes them).
+The LoRA graph serves any mix of plain adapters: which slot each token uses, and each slot's rank,
+are data, not shapes. Steps that use an adapter with PEFT extras (DoRA, biases, replacement weights,
+trainable tokens) run eagerly: the layers pick that path on the host. Ranks live in device copies
+that ``refresh_ranks`` brings up to date before every replay (an adapter loaded into a slot after
+capture changes them).
 
 Graphs are captured lazily, at the first decode step of a bucket, after one eager warm-up run of
 the same static inputs (which also compiles the Triton kernels). A capture that fails (a layer that
@@ -62,12 +64,16 @@ class DecodeGraphs:
 
     def can_run(self, step) -> bool:
         B = len(step.input_ids)
+        lm = self.runner.lora_manager
         return (
             0 < B <= self.max_batch
             and len(step.query_lens) == B
             and len(step.logit_rows) == B
             and max(step.query_lens) == 1
             and max(len(t) for t in step.block_tables) <= self.max_blocks
+            # NOTE: layers choose their PEFT-extras path (DoRA, biases, ...) on the host; a graph would
+            # replay whatever it saw at capture, so steps using such adapters run eagerly
+            and not (step.token_slots is not None and lm.slots_have_extras(step.token_slots))
         )
 
     def _bucket(self, B: int) -> int:

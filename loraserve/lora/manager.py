@@ -67,6 +67,7 @@ class LoRAManager:
         self._registered: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, PackedAdapter] = OrderedDict()  # LRU: oldest first
         self._slot_ids: list[int | None] = [None] * config.max_loras
+        self._slot_extras = [False] * config.max_loras  # a slot whose adapter has PEFT extras (DoRA, biases, ...)
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # resident ids, least recently used first
         self._refs: Counter[int] = Counter()
         self._pinned: set[int] = set()
@@ -271,7 +272,13 @@ class LoRAManager:
             for m in self.modules.values():
                 m.reset_lora(slot)
             self._slot_ids[slot] = None
+            self._slot_extras[slot] = False
             del self._slot_lru[lid]
+
+    def slots_have_extras(self, slots: list[int]) -> bool:
+        """Whether any of these slots (-1 = base) holds an adapter with PEFT extras: such steps run
+        eagerly (see BaseLayerWithLoRA.slot_has_extras). Cheap: one flag per slot, set when written."""
+        return any(self._slot_extras[s] for s in set(slots) if s >= 0)
 
     def slot_of(self, lid: int) -> int | None:
         return self._slot_ids.index(lid) if lid in self._slot_lru else None
@@ -312,6 +319,7 @@ class LoRAManager:
             ev.record(self._copy_stream)
             self._slot_ready[slot] = ev
         self._slot_ids[slot] = lid
+        self._slot_extras[slot] = any(m.slot_has_extras(slot) for m in self.modules.values())
         self._slot_lru[lid] = None
         self.stats["slot_loads"] += 1
         return slot

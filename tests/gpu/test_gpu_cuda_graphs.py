@@ -69,3 +69,43 @@ def test_a_layer_that_syncs_to_the_host_falls_back_to_eager(model_dir, caplog):
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(msgs) == 1 and "enforce_eager=True" in msgs[0], msgs
     assert ids(llm.generate(PROMPTS, SP)) == want  # and it serves on, eagerly
+
+
+def test_graphs_apply_peft_extras_of_any_slot(tmp_path):
+    """A DoRA / lora_bias adapter in a slot other than the one seen at capture: graph steps with it must
+    run what eager runs (a graph bakes in the host's per-layer extras decision; SGLang #28371's
+    silently dropped deltas, for extras). Plain adapters load first so the feature ones land in slots 1+."""
+    from helpers import make_peft_adapter
+    from safetensors.torch import load_file, save_file
+
+    from loraserve import LoRARequest
+
+    base = tmp_path / "base"
+    make_tiny_model(base, "llama")
+    plain = make_peft_adapter(base, tmp_path / "plain", seed=1, r=4, lora_alpha=8, target_modules="all-linear")
+    dora = make_peft_adapter(base, tmp_path / "dora", seed=2, r=4, lora_alpha=8, use_dora=True,
+                             target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
+    bias = make_peft_adapter(base, tmp_path / "bias", seed=3, r=4, lora_alpha=8, lora_bias=True,
+                             target_modules=["o_proj", "gate_proj"])  # fmt: skip
+    for path, key in ((dora, "lora_magnitude_vector"), (bias, "lora_B.bias")):  # trained, not at init
+        sd = load_file(str(path / "adapter_model.safetensors"))
+        g = torch.Generator().manual_seed(0)
+        sd = {k: v + 0.3 * torch.randn(v.shape, generator=g) if key in k else v for k, v in sd.items()}
+        save_file(sd, str(path / "adapter_model.safetensors"))
+    reqs = [LoRARequest("plain", 1, str(plain)), LoRARequest("dora", 2, str(dora)), LoRARequest("bias", 3, str(bias))]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8 + i]} for i in range(4)]
+    loras = [reqs[0], reqs[1], reqs[2], None]
+    out = {}
+    for eager in (True, False):
+        llm = LLM(str(base), device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=64,
+                  enable_lora=True, max_loras=4, max_lora_rank=8, enforce_eager=eager)  # fmt: skip
+        llm.generate(prompts[:1], sp, lora_request=reqs[0])  # plain takes slot 0 and a graph is captured
+        out[eager] = llm.generate(prompts, sp, lora_request=loras)
+        if not eager:
+            assert llm.engine.runner.graphs.stats["replays"] > 0
+    for e, g in zip(out[True], out[False]):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        lp_e = [d[t].logprob for d, t in zip(e.outputs[0].logprobs, e.outputs[0].token_ids)]
+        lp_g = [d[t].logprob for d, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)]
+        assert max(abs(a - b) for a, b in zip(lp_e, lp_g)) < 1e-4

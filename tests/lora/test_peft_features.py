@@ -127,3 +127,18 @@ def test_features_in_one_mixed_batch(arch, tied, world):
             assert max_logprob_diff(ref, o, p["prompt_token_ids"]) < ATOL
         alone = llm.generate([p], SP, lora_request=lr)[0]
         assert alone.outputs[0].token_ids == o.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_manager_flags_slots_with_extras(case, world):
+    """Every feature adapter's slot is flagged (CUDA graphs then run its steps eagerly); plain ones are not."""
+    bases, adapters, engines = world
+    arch, tied, _, _ = CASES[case]
+    llm = engines[(arch, tied)]
+    plain = f"plain-{arch}-{tied}"
+    reqs = [LoRARequest(n, _req(n).lora_int_id, str(adapters[n])) for n in (case, plain)]
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, SP, lora_request=reqs)
+    lm = llm.engine.lora_manager
+    feature_slot, plain_slot = (lm.slot_of(r.lora_int_id) for r in reqs)
+    assert lm.slots_have_extras([feature_slot, -1])
+    assert not lm.slots_have_extras([plain_slot, -1, -1])

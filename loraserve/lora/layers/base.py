@@ -40,6 +40,12 @@ class BaseLayerWithLoRA(nn.Module):
         """This TP rank's shard of B, per slice."""
         return lora_b
 
+    def slot_has_extras(self, index: int) -> bool:
+        """Whether slot ``index`` holds PEFT extras beyond A and B (DoRA, biases, replacement weights,
+        trainable tokens). NOTE: a layer picks its extras path on the host per forward, so a CUDA graph
+        bakes in what it saw at capture: steps that use such a slot must run eagerly."""
+        return False
+
     def set_mapping(self, punica_wrapper: PunicaWrapper) -> None:
         self.punica_wrapper = punica_wrapper
 

@@ -60,6 +60,9 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         self.slot_ranks[index] = 0
         self.clear_extras(index)
 
+    def slot_has_extras(self, index: int) -> bool:
+        return self.slot_has_bias[index] or self.slot_has_dora[index]
+
     def clear_extras(self, index: int) -> None:
         if self.slot_has_bias[index]:
             self.bias_delta[index].zero_()

@@ -20,6 +20,8 @@ from loraserve.lora.layers.vocab_extras import VocabExtras
 
 
 class LogitsProcessorWithLoRA(BaseLayerWithLoRA, VocabExtras):
+    slot_has_extras = VocabExtras.slot_has_extras  # NOTE: BaseLayerWithLoRA's default comes first in the MRO
+
     def __init__(self, base_layer: LogitsProcessor, hidden_size: int, device: torch.device | None = None):
         super().__init__()
         self.base_layer = base_layer

@@ -55,5 +55,8 @@ class VocabExtras:
             self.dora_scale[index] = dora_scale.float()
             self.slot_has_dora[index] = True
 
+    def slot_has_extras(self, index: int) -> bool:
+        return self.has_extras([index])
+
     def has_extras(self, slots: list[int]) -> bool:
         return any(s in self.replacement or s in self.tokens or self.slot_has_dora[s] for s in slots)

@@ -18,6 +18,8 @@ from loraserve.lora.layers.vocab_extras import VocabExtras
 
 
 class VocabParallelEmbeddingWithLoRA(BaseLayerWithLoRA, VocabExtras):
+    slot_has_extras = VocabExtras.slot_has_extras  # NOTE: BaseLayerWithLoRA's default comes first in the MRO
+
     is_embedding = True
 
     def __init__(self, base_layer: VocabParallelEmbedding):
