@@ -95,9 +95,15 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
     ) -> None:
         """PEFT's extras for slot ``index`` (after set_lora), each per slice, full (unsharded) size."""
         self.clear_extras(index)
-        mags = self._local_rows(magnitudes)
-        lbs = self._local_rows(lora_biases)
-        reps = self._local_rows(bias_replacements)
+        dev = self.base_layer.weight.device
+
+        def on_device(vs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+            # NOTE: the adapter's tensors arrive on the host; the math below meets the slots' device tensors
+            return [None if v is None else v.to(dev) for v in vs]
+
+        mags = on_device(self._local_rows(magnitudes))
+        lbs = on_device(self._local_rows(lora_biases))
+        reps = on_device(self._local_rows(bias_replacements))
         offsets = [sum(self.output_slices[:i]) for i in range(self.n_slices)]
         for i, (m, lb, rep, base_b) in enumerate(zip(mags, lbs, reps, self.base_bias_slices())):
             n, off = self.output_slices[i], offsets[i]

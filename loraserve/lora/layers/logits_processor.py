@@ -58,7 +58,7 @@ class LogitsProcessorWithLoRA(BaseLayerWithLoRA, VocabExtras):
             a = self.lora_a_stacked[index, 0, :r].float()
             b = self.lora_b_stacked[index, 0, :, :r].float()
             w = (weight if weight is not None else lm_head_weight).float().to(a.device)
-            dora = magnitude.float() / torch.linalg.norm(w + b @ a, dim=1)
+            dora = magnitude.to(a.device).float() / torch.linalg.norm(w + b @ a, dim=1)
         self.set_vocab_extras(index, weight, token_ids, token_rows, dora, self.vocab_size, lm_head_weight.dtype)
 
     def set_lora(self, index: int, lora_a: LoRAPieces, lora_b: LoRAPieces) -> None:

@@ -48,7 +48,8 @@ class VocabParallelEmbeddingWithLoRA(BaseLayerWithLoRA, VocabExtras):
         """After set_lora: a replacement weight (V, H), trainable tokens (ids, rows (n, H)), DoRA m (H,)."""
         dora = None
         if magnitude is not None:
-            dora = magnitude.float() / self._dora_norm(index, weight)
+            norm = self._dora_norm(index, weight)
+            dora = magnitude.to(norm.device).float() / norm
         base = self.base_layer
         self.set_vocab_extras(index, weight, token_ids, token_rows, dora, base.num_embeddings, base.weight.dtype)
 
