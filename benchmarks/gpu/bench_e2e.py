@@ -69,7 +69,7 @@ def timed_generate(llm: LLM, prompts, loras, new_tokens: int) -> tuple[float, li
 _KERNEL_KINDS = (  # substring of a kernel's name -> its category, first match wins
     ("lora", ("_lora_shrink", "_lora_expand", "_moe_lora")),
     ("attention", ("paged_attention", "_attn", "attention")),
-    ("gemm", ("gemm", "cutlass", "nvjet", "sm90", "cublas", "_moe_gemm")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90", "cublas", "_moe_gemm", "_decode_linear")),  # the LoRA expand rides in _decode_linear
 )
 
 

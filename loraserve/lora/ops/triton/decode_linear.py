@@ -32,7 +32,7 @@ import triton.language as tl
 
 from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
 
-MAX_TOKENS = 64  # the largest batch this kernel serves (a decode step's tokens); beyond it, cuBLAS
+MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,17 @@ class ExpandEpilogue:
 
 
 def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
-    """The tiles for a (M, K) x (N, K)^T product. NOTE: to be tuned on the H200 by
-    ``benchmarks/gpu/bench_decode_linear.py --tune``; small column blocks where N is small so that the
-    grid covers the chip without split-K."""
-    block_n = 32 if N <= 8192 else 64
-    return DecodeTiles(block_n=block_n, block_k=256 if K % 256 == 0 else 128, num_warps=4, num_stages=4)
+    """The tiles for a (M, K) x (N, K)^T product at M <= 32 tokens.
+
+    From the sweep of ``benchmarks/gpu/bench_decode_linear.py --tune`` on the H200 (Llama-8B shapes, 32
+    tokens, bf16, 2026-12-03): 64-row blocks of W, 128-wide K steps, 5 stages on 4 warps were best or
+    within 3% for qkv, o and down; gate_up (N = 28672) took 128-row blocks on 8 warps, 4 stages (fewer
+    waves of programs). Against cuBLAS: qkv 16.7 vs 17.4 µs, o 13.8 vs 15.0, gate_up 59.5 vs 58.7,
+    down 36.9 vs 34.1, lm_head 243 vs 257.
+    """
+    if N > 16384:
+        return DecodeTiles(block_n=128, block_k=128, num_warps=8, num_stages=4)
+    return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=5)
 
 
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
@@ -109,6 +115,7 @@ def _decode_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SLOTS_PER_CHUNK: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
     CDT: tl.constexpr,
@@ -175,38 +182,38 @@ def _decode_linear_kernel(
                 stride_ws = stride_ws2
                 n_loc0 = col0 - N0 - N1
         slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)  # (BLOCK_M,)
-        has_slot = slot >= 0
-        rank = tl.load(rank_ptr + tl.maximum(slot, 0), mask=has_slot, other=0)  # (BLOCK_M,)
-        offs_r = tl.arange(0, BLOCK_R)
+        rank = tl.load(rank_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)  # (BLOCK_M,)
         loc_n = n_loc0 + tl.arange(0, BLOCK_N)
-        if USE_PDL:
-            # launched while the shrink runs (PDL): its partials are read only after it has finished
-            tl.extra.cuda.gdc_wait()
-        # s (BLOCK_M, BLOCK_R): the shrink's split-K partials for this slice, summed in fp32; rows of
-        # base tokens and columns past each token's rank are zero (never read: buf is not zeroed)
-        s_mask = (has_slot & m_mask)[:, None] & (offs_r[None, :] < rank[:, None])
-        s_ptrs = buf_ptr + sl * stride_bi + offs_m[:, None] * stride_bm + offs_r[None, :]
-        s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for sp in range(SPLIT_K):
-            s += tl.load(s_ptrs + sp * stride_bsp, mask=s_mask, other=0.0)
-        s = s.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
+        # Columns c of a chunk: slot j = chunk * SLOTS_PER_CHUNK + c // BLOCK_R, rank index r = c % BLOCK_R.
+        # NOTE: the whole chunk of slots is ONE load of B and ONE MMA: s is expanded to (tokens, slots x r)
+        # with zeros outside each token's own slot, so each token meets only its own B. A loop of one
+        # small MMA per slot cost a DRAM round trip per slot, per wave of programs (~7 µs per wave).
+        offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
+        c_r = offs_c % BLOCK_R
+        s_ptrs = buf_ptr + sl * stride_bi + offs_m[:, None] * stride_bm + c_r[None, :]
         delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        # NOTE: one small MMA per slot present among the tokens: each token's delta uses its own slot's
-        # B, so the tokens of other slots are masked to zero; slots absent from the batch cost nothing
-        for j in range(S):
-            mine = slot == j
-            if tl.sum(mine.to(tl.int32), axis=0) > 0:
-                # B's columns past the slot's rank are read unmasked along r (they multiply zeros in s)
-                b = tl.load(
-                    b_ptr + j * stride_ws + loc_n[:, None] * R + offs_r[None, :],
-                    mask=(offs_r < R)[None, :],
-                    other=0.0,
-                )  # (BLOCK_N, BLOCK_R)
-                sj = tl.where(mine[:, None], s, tl.zeros_like(s))
-                if LORA_IEEE:
-                    delta += tl.dot(b.to(LORA_CDT), tl.trans(sj), input_precision="ieee")
-                else:
-                    delta += tl.dot(b.to(LORA_CDT), tl.trans(sj))
+        for chunk in range(0, S, SLOTS_PER_CHUNK):
+            c_j = chunk + offs_c // BLOCK_R  # (C,) slot of each column
+            # B's columns past a slot's rank are read unmasked along r (they multiply zeros in s)
+            b = tl.load(
+                b_ptr + c_j[None, :] * stride_ws + loc_n[:, None] * R + c_r[None, :],
+                mask=((c_r < R) & (c_j < S))[None, :],
+                other=0.0,
+            )  # (BLOCK_N, C)
+            if USE_PDL:
+                # launched while the shrink runs (PDL): its partials are read only after it has finished
+                tl.extra.cuda.gdc_wait()
+            # s (BLOCK_M, C): the shrink's split-K partials summed in fp32, each token's own slot only;
+            # rows of base tokens and columns past each token's rank stay zero (buf is not zeroed there)
+            mine = (slot[:, None] == c_j[None, :]) & (c_r[None, :] < rank[:, None]) & m_mask[:, None]
+            sx = tl.zeros((BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R), dtype=tl.float32)
+            for sp in range(SPLIT_K):
+                sx += tl.load(s_ptrs + sp * stride_bsp, mask=mine, other=0.0)
+            sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
+            if LORA_IEEE:
+                delta += tl.dot(b.to(LORA_CDT), tl.trans(sx), input_precision="ieee")
+            else:
+                delta += tl.dot(b.to(LORA_CDT), tl.trans(sx))
         y = (y.to(tl.float32) + delta).to(out_dt)
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -214,7 +221,7 @@ def _decode_linear_kernel(
 
 
 def _block_m(M: int) -> int:
-    return 16 if M <= 16 else (32 if M <= 32 else 64)
+    return 16 if M <= 16 else 32
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, slices: tuple[int, ...] | None = None,
@@ -245,7 +252,7 @@ def decode_linear(
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ weight (N, K)^T (+ bias) (+ the LoRA delta of ``lora``), in x's dtype.
 
-    M <= 64 (a decode step); x and weight bf16/fp16, contiguous along K (``supports`` says which).
+    M <= MAX_TOKENS (a decode step); x and weight bf16/fp16, contiguous along K (``supports`` says which).
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -257,7 +264,9 @@ def decode_linear(
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cdt = compute_dtype_of(x.dtype, weight.dtype)
     lora_args: tuple = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    lora_consts = dict(R=16, NUM_SLICES=1, BLOCK_R=16, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False)
+    lora_consts = dict(
+        R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
+    )
     pdl = False
     if lora is not None:
         b0 = lora.lora_b[0]
@@ -282,8 +291,11 @@ def decode_linear(
             lora.buf.stride(0), lora.buf.stride(1), lora.buf.stride(2),
             b0.stride(0), b1.stride(0), b2.stride(0),
         )  # fmt: skip
+        block_r = max(16, triton.next_power_of_2(R))
+        # slots per chunk: up to 128 columns of (slot, r) per MMA (at least one slot)
+        per_chunk = max(1, min(triton.next_power_of_2(b0.shape[0]), 128 // block_r))
         lora_consts = dict(
-            R=R, NUM_SLICES=n_sl, BLOCK_R=max(16, triton.next_power_of_2(R)), LORA_WDT=tl_dtype(b0.dtype),
+            R=R, NUM_SLICES=n_sl, BLOCK_R=block_r, SLOTS_PER_CHUNK=per_chunk, LORA_WDT=tl_dtype(b0.dtype),
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl
