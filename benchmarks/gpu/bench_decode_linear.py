@@ -145,15 +145,16 @@ def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
 
 def tune(shapes, M: int, layers: int, bw: float) -> dict:
     configs = [
-        dl.DecodeTiles(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64, 128), (128, 256), (3, 5))
-    ] + [dl.DecodeTiles(64, 256, 8, 4), dl.DecodeTiles(128, 128, 8, 4), dl.DecodeTiles(128, 256, 8, 3)]
+        dl.DecodeTiles(bn, 128, 8 if bn == 128 else 4, st, sk)
+        for bn, st, sk in itertools.product((32, 64, 128), (4, 5), (1, 2, 3, 4))
+    ]
     best = {}
     for model, name, K, slices in shapes:
         case = Case(K, slices, M, layers)
         t_cublas = graph_us(lambda c=case: [F.linear(c.x, w) for w in c.ws], layers)
         rows = []
         for t in configs:
-            if any(n % t.block_n for n in slices) or K % t.block_k:
+            if any(n % t.block_n for n in slices) or K % t.block_k or (t.split_k > 1 and sum(slices) > 16384):
                 continue
             try:
                 us = graph_us(lambda c=case, t=t: [dl.decode_linear(c.x, w, tiles=t) for w in c.ws], layers)
@@ -166,10 +167,10 @@ def tune(shapes, M: int, layers: int, bw: float) -> dict:
         pct = 100 * case.w_bytes / (us * 1e-6) / bw
         print(
             f"tune M={M} {model} {name}: cuBLAS {t_cublas:.1f} µs | best {us:.1f} µs ({pct:.0f}% BW) "
-            f"{t} | next: " + "; ".join(f"{u:.1f} {(x.block_n, x.block_k, x.num_warps, x.num_stages)}" for u, x in rows[1:4]),
+            f"{t} | next: " + "; ".join(f"{u:.1f} {tuple(x.__dict__.values())}" for u, x in rows[1:5]),
             flush=True,
         )  # fmt: skip
-        best[f"{model}/{name}"] = dict(cublas_us=t_cublas, best_us=us, tiles=t.__dict__, top=[(u, x.__dict__) for u, x in rows[:6]])
+        best[f"{sum(slices)},{K}"] = dict(cublas_us=t_cublas, best_us=us, tiles=t.__dict__, top=[(u, x.__dict__) for u, x in rows[:6]])
         del case
         torch.cuda.empty_cache()
     return best
@@ -182,6 +183,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--models", default="llama-8b,qwen-0.5b")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tiles-out", default=None, help="write the sweep's best tiles per (N, K) (for bench_e2e --decode-tiles)")
+    ap.add_argument("--tables", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -189,6 +192,11 @@ def main() -> None:
     result = {"copy_bw": bw}
     if args.tune:  # the Llama-8B shapes only: the small model's are launch-bound whatever the tiles
         result["tune"] = tune([s for s in shapes if s[0] == "llama-8b"], 32, args.layers, bw)
+        if args.tiles_out:
+            with open(args.tiles_out, "w") as f:
+                json.dump({k: v["tiles"] for k, v in result["tune"].items()}, f)
+    if not args.tables:
+        return
     ops = TritonLoRAOps(DEV)
     rows = []
     print("| model | op | M | cuBLAS µs | ours µs | ours/cuBLAS | % BW ours | LoRA | unfused µs | fused µs | LoRA cost unfused / fused µs | fused rel err |")

@@ -249,6 +249,17 @@ def parity(root: Path) -> dict:
     return out
 
 
+def use_decode_tiles(path: str) -> None:
+    """Serve decode_linear with the tiles a sweep picked (shapes it did not sweep keep the defaults)."""
+    from loraserve.lora.ops.triton import decode_linear as dl
+
+    with open(path) as f:
+        table = {k: dl.DecodeTiles(**v) for k, v in json.load(f).items()}
+    default = dl.default_tiles
+    dl.default_tiles = lambda M, N, K, dtype: table.get(f"{N},{K}") or default(M, N, K, dtype)
+    print(f"decode tiles: {table}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen2.5-0.5b,llama-3.1-8b")
@@ -259,7 +270,10 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--bf16-loras", action="store_true", help="also run with LoRA weights stored in bf16")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--decode-tiles", default=None, help="JSON {'N,K': tiles} from bench_decode_linear --tiles-out")
     args = ap.parse_args()
+    if args.decode_tiles:
+        use_decode_tiles(args.decode_tiles)
     import peft
     import transformers
     import triton

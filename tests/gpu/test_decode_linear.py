@@ -67,6 +67,11 @@ CASES = [
     (24, 256, (256, 128), 12, 16, torch.float16, torch.float32, DecodeTiles(64, 128, 4, 2)),
     (9, 128, (128,), 5, 64, torch.float16, torch.float16, DecodeTiles(32, 64, 4, 2)),
     (1, 128, (64, 64, 64), 2, 16, torch.float16, torch.float32, DecodeTiles(32, 64, 4, 2)),
+    # split-K: serial reduction over 2-4 programs per column block (uneven and empty splits too)
+    (32, 512, (512, 128, 128), 8, 16, torch.float16, torch.float32, DecodeTiles(64, 128, 4, 2, split_k=2)),
+    (7, 320, (192,), 5, 16, torch.float16, torch.float32, DecodeTiles(64, 128, 4, 2, split_k=3)),
+    (16, 256, (128, 128), 3, 16, torch.float16, torch.float16, DecodeTiles(32, 128, 4, 2, split_k=4)),
+    (32, 512, (256, 256), 8, 16, torch.bfloat16, torch.float32, DecodeTiles(64, 128, 4, 3, split_k=4)),
 ]
 
 
@@ -130,6 +135,21 @@ def test_decode_linear_base_matches_torch(M, dtype):
     ref = F.linear(x.float(), w.float(), b.float())
     assert y.dtype == dtype and y.shape == (M, N)
     assert rel_err(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(split):
+    from loraserve.lora.ops.triton import decode_linear as dl
+
+    g = torch.Generator().manual_seed(split)
+    x = torch.randn(12, 384, generator=g).to(DEV, torch.float16)
+    w = (torch.randn(256, 384, generator=g) * 0.05).to(DEV, torch.float16)
+    tiles = DecodeTiles(64, 64, 4, 2, split_k=split)
+    ys = [decode_linear(x, w, tiles=tiles) for _ in range(3)]
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+    assert rel_err(ys[0], F.linear(x.float(), w.float())) < 1e-2
+    for _, counters in dl._WORKSPACES[x.device]:
+        assert int(counters.abs().sum()) == 0
 
 
 def test_supports_refuses_what_it_cannot_do():

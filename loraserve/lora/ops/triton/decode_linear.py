@@ -13,8 +13,10 @@ programmatic dependent launch (Hopper) the GEMM starts while the shrink runs, st
 of the active slots) instead of two serial kernels.
 
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
-axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). No split-K: programs
-own disjoint column blocks, so every output element is written once, and deterministically.
+axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
+columns; with ``split_k`` > 1 several programs share one over slices of K, and the last to finish
+sums their partials in a fixed order and runs the epilogue (deterministic): small layers (o_proj,
+qkv) have too few column blocks to keep every SM streaming W otherwise.
 
 Numerics (the same as the unfused path, cuBLAS GEMM then the expand kernel): fp32 accumulation, bias
 added in fp32, the base output rounded to y's dtype, then the delta (fp32: s rounded to B's dtype,
@@ -44,6 +46,7 @@ class DecodeTiles:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1  # > 1: K is split over programs (serial reduction): more programs for small N
 
 
 @dataclass
@@ -76,21 +79,15 @@ def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
     return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=5)
 
 
-# NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
-# of 16 and vectorizes the loads; only M (the token count) is a runtime value.
-@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
-def _decode_linear_kernel(
-    x_ptr,
-    w_ptr,
+@triton.jit
+def _epilogue(
+    acc,
+    pid_n,
     bias_ptr,
     y_ptr,
     M,
     N,
-    K,
-    stride_xm,
-    stride_wn,
     stride_ym,
-    # LoRA expand epilogue (unused when not HAS_LORA)
     buf_ptr,
     b0_ptr,
     b1_ptr,
@@ -113,44 +110,18 @@ def _decode_linear_kernel(
     NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SLOTS_PER_CHUNK: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    CDT: tl.constexpr,
-    IEEE: tl.constexpr,
     LORA_WDT: tl.constexpr,
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            k_mask = (k + offs_k) < K
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)), input_precision="ieee")
-        else:
-            acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)))
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_dt = y_ptr.dtype.element_ty
@@ -218,6 +189,149 @@ def _decode_linear_kernel(
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, y, mask=n_mask[:, None] & m_mask[None, :])
+
+
+
+
+# NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
+# of 16 and vectorizes the loads; only M (the token count) is a runtime value.
+@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
+def _decode_linear_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    y_ptr,
+    ws_ptr,  # fp32 (SPLIT_W, n_blocks, BLOCK_N, BLOCK_M): split-K partials (SPLIT_W > 1)
+    cnt_ptr,  # int32 (n_blocks,): arrivals per column block, zero between launches (SPLIT_W > 1)
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    # LoRA expand epilogue (unused when not HAS_LORA)
+    buf_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    slots_ptr,
+    rank_ptr,
+    S,
+    SPLIT_K,
+    N0,
+    N1,
+    stride_bsp,
+    stride_bi,
+    stride_bm,
+    stride_ws0,
+    stride_ws1,
+    stride_ws2,
+    R: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_CHUNK: tl.constexpr,
+    SPLIT_W: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    CDT: tl.constexpr,
+    IEEE: tl.constexpr,
+    LORA_WDT: tl.constexpr,
+    LORA_CDT: tl.constexpr,
+    LORA_IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if SPLIT_W == 1:
+        pid_n = pid
+        k_lo = pid * 0
+    else:
+        pid_n = pid // SPLIT_W
+        k_lo = (pid % SPLIT_W) * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k + offs_k) < k_hi
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)), input_precision="ieee")
+        else:
+            acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)))
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+
+    if SPLIT_W == 1:
+        _epilogue(
+            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr,
+            S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+            R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+        )  # fmt: skip
+    else:
+        # Serial split-K: every split writes its partial to its own plane; the last of a column block to
+        # arrive sums the planes in plane order (deterministic, whoever is last) and finishes the block.
+        # NOTE: CUTLASS's semaphore pattern: all threads' stores, a CTA barrier, then one acq_rel atomic
+        # at GPU scope publishes them; the last arrival reads the planes past L1 (.cg), which is not
+        # coherent across SMs, and puts the counter back to zero for the next launch.
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+        plane = tl.cdiv(N, BLOCK_N) * (BLOCK_N * BLOCK_M)  # elements of one split's plane
+        tl.store(ws_ptr + (pid % SPLIT_W) * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_W - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for sp in tl.static_range(SPLIT_W):
+                total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            _epilogue(
+                total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
+                rank_ptr, S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+                R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+            )  # fmt: skip
+
+
+_WORKSPACES: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _workspace(device: torch.device, elems: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials of >= elems, int32 counters of >= blocks, all zero) shared by split-K launches.
+
+    NOTE: a buffer that is outgrown is kept, never freed: a CUDA graph captured with it keeps writing
+    it at every replay. The counters are zero between launches (the last arrival resets its own), so
+    one pair serves every launch on the stream; concurrent launches on two streams would need two.
+    """
+    pool = _WORKSPACES.setdefault(device, [])
+    if not pool or pool[-1][0].numel() < elems or pool[-1][1].numel() < blocks:
+        have_e = pool[-1][0].numel() if pool else 0
+        have_b = pool[-1][1].numel() if pool else 0
+        pool.append(
+            (
+                torch.empty(max(elems, 2 * have_e), dtype=torch.float32, device=device),
+                torch.zeros(max(blocks, 2 * have_b), dtype=torch.int32, device=device),
+            )
+        )
+    return pool[-1]
 
 
 def _block_m(M: int) -> int:
@@ -299,13 +413,19 @@ def decode_linear(
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl
-    grid = (triton.cdiv(N, tiles.block_n),)
-    _decode_linear_kernel[grid](
-        x, weight, bias if bias is not None else x, y, M, N, K,
+    block_m = _block_m(M)
+    n_blocks = triton.cdiv(N, tiles.block_n)
+    split = tiles.split_k
+    k_per_split = triton.cdiv(triton.cdiv(K, split), tiles.block_k) * tiles.block_k
+    ws, cnt = (x, x)
+    if split > 1:
+        ws, cnt = _workspace(x.device, split * n_blocks * tiles.block_n * block_m, n_blocks)
+    _decode_linear_kernel[(n_blocks * split,)](
+        x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0),
         *lora_args,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
-        BLOCK_M=_block_m(M), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
         EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
         USE_PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
