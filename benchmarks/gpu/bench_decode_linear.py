@@ -192,9 +192,12 @@ def main() -> None:
     result = {"copy_bw": bw}
     if args.tune:  # the Llama-8B shapes only: the small model's are launch-bound whatever the tiles
         result["tune"] = tune([s for s in shapes if s[0] == "llama-8b"], 32, args.layers, bw)
+        table = {k: dl.DecodeTiles(**v["tiles"]) for k, v in result["tune"].items()}
         if args.tiles_out:
             with open(args.tiles_out, "w") as f:
                 json.dump({k: v["tiles"] for k, v in result["tune"].items()}, f)
+        default = dl.default_tiles  # the tables below run the tuned tiles where the sweep has them
+        dl.default_tiles = lambda M, N, K, dtype: table.get(f"{N},{K}") or default(M, N, K, dtype)
     if not args.tables:
         return
     ops = TritonLoRAOps(DEV)
