@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from loraserve.lora.ops.triton import decode_linear as dl
+from loraserve.layers import triton_decode_linear as dl
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton_ops import TritonLoRAOps
 from loraserve.lora.punica import LoRAMapping

@@ -251,7 +251,7 @@ def parity(root: Path) -> dict:
 
 def use_decode_tiles(path: str) -> None:
     """Serve decode_linear with the tiles a sweep picked (shapes it did not sweep keep the defaults)."""
-    from loraserve.lora.ops.triton import decode_linear as dl
+    from loraserve.layers import triton_decode_linear as dl
 
     with open(path) as f:
         table = {k: dl.DecodeTiles(**v) for k, v in json.load(f).items()}

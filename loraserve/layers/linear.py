@@ -13,6 +13,17 @@ from torch import nn
 
 from loraserve.distributed.comm import tp_all_gather, tp_all_reduce
 from loraserve.distributed.parallel_state import divide, get_tp_rank, get_tp_size
+from loraserve.layers.triton_dispatch import decode_linear_kernels, on_triton
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; on the GPU at decode sizes, the Triton decode GEMM where it beats cuBLAS
+    (``triton_decode_linear.prefer_over_cublas``: small layers, which cuBLAS leaves SMs idle on)."""
+    if on_triton(x) and x.dim() == 2 and x.shape[0] <= 32:
+        kernels = decode_linear_kernels()
+        if kernels.prefer_over_cublas(x, weight):
+            return kernels.decode_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _new_param(*shape: int, dtype: torch.dtype | None, loader) -> nn.Parameter:
@@ -44,7 +55,7 @@ class ReplicatedLinear(LinearBase):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -75,7 +86,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return tp_all_gather(y) if self.gather_output else y
 
 
@@ -177,7 +188,7 @@ class RowParallelLinear(LinearBase):
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial product, before the all-reduce and the bias."""
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
         """All-reduce the partial sums, then add the bias once."""
@@ -186,5 +197,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # one rounding of (Wx + b), as nn.Linear
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias)
         return self.finish(self.forward_partial(x))

@@ -19,6 +19,14 @@ def on_triton(x: torch.Tensor) -> bool:
 
 
 @functools.cache
+def decode_linear_kernels():
+    """``layers/triton_decode_linear`` (imports triton: only call it for tensors where ``on_triton``)."""
+    from loraserve.layers import triton_decode_linear
+
+    return triton_decode_linear
+
+
+@functools.cache
 def elementwise_kernels():
     """``layers/triton_elementwise`` (imports triton: only call it for tensors where ``on_triton``)."""
     from loraserve.layers import triton_elementwise

@@ -13,6 +13,7 @@ from torch import nn
 
 from loraserve.distributed.comm import tp_all_gather, tp_all_reduce
 from loraserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from loraserve.layers.linear import linear
 
 
 def pad_vocab(vocab_size: int, multiple: int) -> int:
@@ -65,7 +66,7 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def get_logits_shard(self, lm_head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, lm_head.weight)
+        return linear(hidden, lm_head.weight)
 
     def gather(self, shard_logits: torch.Tensor) -> torch.Tensor:
         return tp_all_gather(shard_logits)[..., : self.vocab_size]

@@ -16,13 +16,13 @@ from tests.gpu.triton_device import triton_device
 
 DEV = triton_device()
 
-from loraserve.lora.ops import torch_ops  # noqa: E402
-from loraserve.lora.ops.triton.decode_linear import (  # noqa: E402
+from loraserve.layers.triton_decode_linear import (  # noqa: E402
     DecodeTiles,
     ExpandEpilogue,
     decode_linear,
     supports,
 )
+from loraserve.lora.ops import torch_ops  # noqa: E402
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink  # noqa: E402
 from loraserve.lora.punica import LoRAMapping, SegmentMeta  # noqa: E402
 
@@ -139,7 +139,7 @@ def test_decode_linear_base_matches_torch(M, dtype):
 
 @pytest.mark.parametrize("split", [2, 3])
 def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(split):
-    from loraserve.lora.ops.triton import decode_linear as dl
+    from loraserve.layers import triton_decode_linear as dl
 
     g = torch.Generator().manual_seed(split)
     x = torch.randn(12, 384, generator=g).to(DEV, torch.float16)

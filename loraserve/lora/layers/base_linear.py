@@ -10,10 +10,10 @@ fp32 tables whose last row is the identity, so indexing with a token's slot (-1 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from loraserve.config import LoRAConfig
 from loraserve.forward_context import current_lora_mapping
+from loraserve.layers.linear import linear
 from loraserve.lora.layers.base import BaseLayerWithLoRA, LoRAPieces
 
 
@@ -161,7 +161,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
                 )
                 if y is not None:
                     return y
-        return self.apply_lora(F.linear(x, weight, bias), x)
+        return self.apply_lora(linear(x, weight, bias), x)
 
     def apply_lora(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out + per-token LoRA delta, accumulated in fp32 and rounded once (PEFT's non-mixed path)."""

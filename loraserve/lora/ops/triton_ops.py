@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from loraserve.lora.ops.triton import decode_linear as decode
+from loraserve.layers import triton_decode_linear as decode
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl

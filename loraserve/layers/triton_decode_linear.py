@@ -1,16 +1,18 @@
-"""A linear layer at decode sizes (a few tokens) with the LoRA expand in its epilogue: one launch.
+"""A linear layer at decode sizes (<= 32 tokens) on the GPU, with an optional per-token low-rank
+epilogue: the LoRA expand. One launch.
 
     y = round(x @ W^T + bias) + sum_i B_i[slot(t)] (s_i[t])      (slice i owns columns [off_i, off_i + N_i))
 
-where ``s`` is ``lora_shrink``'s output (split-K partials of x @ A_i[slot(t)]^T, summed here).
+where ``s`` is ``lora_shrink``'s output (split-K partials of x @ A_i[slot(t)]^T, summed here). The base
+layers call it without the epilogue where it beats cuBLAS (``prefer_over_cublas``); the LoRA layers
+call it with the epilogue (lora/ops/triton_ops.py).
 
 Why: at decode sizes a LoRA'd op was three launches (cuBLAS GEMM, shrink, expand), and the two LoRA
 kernels cost ~10-15 µs per op on the H200 whatever they moved: launch and latency, not bytes. Here the
 expand rides on the GEMM that already streams W: each program, after its K loop over its BLOCK_N rows
 of W, adds the delta of those columns. The shrink stays a launch of its own before the GEMM; under
 programmatic dependent launch (Hopper) the GEMM starts while the shrink runs, streams W, and waits
-(``gdc_wait``) only before reading the shrink's partials. So the LoRA costs roughly its bytes (A and B
-of the active slots) instead of two serial kernels.
+(``gdc_wait``) only before reading the shrink's partials.
 
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
@@ -69,14 +71,27 @@ def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
     """The tiles for a (M, K) x (N, K)^T product at M <= 32 tokens.
 
     From the sweep of ``benchmarks/gpu/bench_decode_linear.py --tune`` on the H200 (Llama-8B shapes, 32
-    tokens, bf16, 2026-12-03): 64-row blocks of W, 128-wide K steps, 5 stages on 4 warps were best or
-    within 3% for qkv, o and down; gate_up (N = 28672) took 128-row blocks on 8 warps, 4 stages (fewer
-    waves of programs). Against cuBLAS: qkv 16.7 vs 17.4 µs, o 13.8 vs 15.0, gate_up 59.5 vs 58.7,
-    down 36.9 vs 34.1, lm_head 243 vs 257.
+    tokens, bf16, 2026-12-03; µs, ours vs cuBLAS): 64-row blocks of W, 128-wide K steps, 5 stages on 4
+    warps for qkv (16.6 vs 17.4); the same split over K in 2 for o (13.0 vs 14.9) and down (32.4 vs
+    34.1), whose 64 column blocks alone leave half the 132 SMs idle; 4 stages for gate_up (59.3 vs
+    58.5); 128-row blocks on 8 warps for lm_head (243 vs 257). Hence: split K until there are about
+    128 programs (at most 4 ways, each split at least two K steps).
     """
-    if N > 16384:
+    if N > 65536:
         return DecodeTiles(block_n=128, block_k=128, num_warps=8, num_stages=4)
-    return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=5)
+    if N > 16384:
+        return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    blocks = triton.cdiv(N, 64)
+    split = max(1, min(4, 128 // blocks, K // 256))
+    return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=5, split_k=split)
+
+
+def prefer_over_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a base layer (no LoRA) should take ``decode_linear`` instead of cuBLAS: where the sweep
+    measured it faster (see ``default_tiles``: N <= 16384 and the vocabulary-sized lm_head); in
+    between (gate_up at 28672) cuBLAS was as fast or faster."""
+    N = weight.shape[0]
+    return (N <= 16384 or N > 65536) and supports(x, weight)
 
 
 @triton.jit
@@ -95,7 +110,7 @@ def _epilogue(
     slots_ptr,
     rank_ptr,
     S,
-    SPLIT_K,
+    SPLIT_K: tl.constexpr,
     N0,
     N1,
     stride_bsp,
@@ -178,7 +193,9 @@ def _epilogue(
             # rows of base tokens and columns past each token's rank stay zero (buf is not zeroed there)
             mine = (slot[:, None] == c_j[None, :]) & (c_r[None, :] < rank[:, None]) & m_mask[:, None]
             sx = tl.zeros((BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R), dtype=tl.float32)
-            for sp in range(SPLIT_K):
+            # NOTE: SPLIT_K is a constexpr: the plane loads unroll and fly together (a runtime loop paid one
+            # L2 round trip per plane: ~11 µs on down_proj, whose shrink splits K 16 ways)
+            for sp in tl.static_range(SPLIT_K):
                 sx += tl.load(s_ptrs + sp * stride_bsp, mask=mine, other=0.0)
             sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
             if LORA_IEEE:
@@ -195,7 +212,7 @@ def _epilogue(
 
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
 # of 16 and vectorizes the loads; only M (the token count) is a runtime value.
-@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
+@triton.jit(do_not_specialize=["M", "S"])
 def _decode_linear_kernel(
     x_ptr,
     w_ptr,
@@ -218,7 +235,7 @@ def _decode_linear_kernel(
     slots_ptr,
     rank_ptr,
     S,
-    SPLIT_K,
+    SPLIT_K: tl.constexpr,
     N0,
     N1,
     stride_bsp,
