@@ -9,12 +9,27 @@ from loraserve.layers.triton_dispatch import elementwise_kernels, on_triton
 
 
 class RMSNorm(nn.Module):
+    """``norm(x)`` -> RMSNorm(x); ``norm(x, residual)`` -> (RMSNorm(x + residual), x + residual).
+
+    The second form is the decoder's residual stream (vLLM's ``fused_add_rms_norm``): the sum is
+    torch's ``x + residual`` (fp32 add, one rounding to the dtype) and the norm reads that rounded sum,
+    so it equals ``h = x + residual; norm(h)`` bit for bit. On the GPU it is one Triton launch
+    instead of an add plus a norm; x and residual are left untouched (both results are new tensors).
+    """
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            if on_triton(x):  # one launch for the add and the norm (same roundings: triton_elementwise.py)
+                return elementwise_kernels().fused_add_rms_norm(x, residual, self.weight, self.eps)
+            h = x + residual
+            return rms_norm_torch(h, self.weight, self.eps), h
         if on_triton(x):  # one launch instead of ~6 (same roundings: triton_elementwise.py)
             return elementwise_kernels().rms_norm(x, self.weight, self.eps)
         return rms_norm_torch(x, self.weight, self.eps)

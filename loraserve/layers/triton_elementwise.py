@@ -1,4 +1,5 @@
-"""The per-layer elementwise ops on the GPU, one launch each: RMSNorm, SiLU-and-mul, rotary.
+"""The per-layer elementwise ops on the GPU, one launch each: RMSNorm (optionally fused with the
+residual add before it), SiLU-and-mul, rotary (optionally fused with the KV-cache write after it).
 
 In torch each is a chain of small kernels (RMSNorm ~6, rotary ~10 per layer); at decode sizes every
 launch costs a few µs whatever it moves, which made these ops ~3 ms of an 8B decode step's 8 ms on
@@ -14,6 +15,16 @@ compiler evidently keeps a product unrounded: an FMA), relative error ~3e-3:
 - SiLU-and-mul: silu(gate) rounded to x's dtype, then times up, rounded.
 - rotary (rotate-half layout): with cos/sin already in x's dtype, each product rounded, then the
   sum rounded (x1*cos - x2*sin, x2*cos + x1*sin); dims past rotary_dim copied.
+- fused add + RMSNorm (vLLM's ``fused_add_rms_norm``): residual' = x + residual added in fp32 and
+  rounded once to the dtype (what torch's ``x + residual`` does, so residual' is bit-equal to it),
+  then RMSNorm of residual' exactly as above.
+- rotary + KV-cache write: the rotary above for q and k (the same jit helper, so the same roundings),
+  rotated k and unrotated v stored into the paged cache rows ``slot_mapping`` (what
+  ``k_cache[slot_mapping] = k`` does): one launch instead of three.
+
+Per decoder layer on the GPU path that is 4 small launches (add+norm, rotary+cache, add+norm,
+SiLU-and-mul) instead of 8. The shared ``@triton.jit`` helpers (``_rms_norm_row``, ``_rotate_half``)
+keep each fused kernel's arithmetic the same as its unfused twin's.
 
 Imported only on CUDA (or under TRITON_INTERPRET=1 in tests): CPU installs have no triton.
 """
@@ -28,16 +39,69 @@ from loraserve.lora.ops.triton.utils import tl_dtype
 
 
 @triton.jit
+def _rms_norm_row(x, w_ptr, offs, mask, N, eps):
+    """One row ``x`` in its storage dtype (masked lanes 0) -> weight * RMSNorm(x), in fp32 (the caller
+    rounds it to the output dtype): normalized in fp32, rounded to x's dtype, then times the weight."""
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    h = (xf * (1.0 / tl.sqrt_rn(var + eps))).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    return w.to(tl.float32) * h.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    var = tl.sum(x * x, axis=0) / N
-    h = (x * (1.0 / tl.sqrt_rn(var + eps))).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    out = w.to(tl.float32) * h.to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    out = _rms_norm_row(x, w_ptr, offs, mask, N, eps)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fused_add_rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_x, stride_r, stride_o, stride_ro, N, eps, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (x + r).to(r_out_ptr.dtype.element_ty)  # torch's x + residual: fp32 add, one rounding
+    tl.store(r_out_ptr + row * stride_ro + offs, h, mask=mask)
+    out = _rms_norm_row(h, w_ptr, offs, mask, N, eps)
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) over the last dim, in one launch; both new tensors.
+
+    x and residual: the same shape and dtype (any leading shape). The sum is bit-equal to torch's
+    ``x + residual``; the norm output equals ``rms_norm`` of that sum (dtype: that of weight * x).
+    """
+    N = x.shape[-1]
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (
+        f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}"
+    )
+    assert weight.shape == (N,), f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}"
+    tl_dtype(x.dtype)
+    x2, r2 = x.reshape(-1, N), residual.reshape(-1, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    r_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(N)
+        _fused_add_rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), N, eps,
+            BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    return out.view(x.shape), r_out.view(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,6 +149,34 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _rotate_half(x1, x2, c, s):
+    """One head's halves x1, x2 (storage dtype) rotated by cos/sin halves c, s (the same dtype):
+    (x1*cos - x2*sin, x2*cos + x1*sin), each product rounded to the dtype, then the sum rounded."""
+    dt = x1.dtype
+    x1, x2, c, s = x1.to(tl.float32), x2.to(tl.float32), c.to(tl.float32), s.to(tl.float32)
+    a = (x1 * c).to(dt).to(tl.float32)
+    b = (-x2 * s).to(dt).to(tl.float32)
+    o1 = (a + b).to(dt)
+    a = (x2 * c).to(dt).to(tl.float32)
+    b = (x1 * s).to(dt).to(tl.float32)
+    return o1, (a + b).to(dt)
+
+
+@triton.jit
+def _rotate_row(x_row, o_row, c, s, offs, mask, HALF, D, REST_BLOCK: tl.constexpr):
+    """Rotate one head at x_row (rotary dims [0, 2*HALF)) into o_row; dims [2*HALF, D) copied."""
+    x1 = tl.load(x_row + offs, mask=mask, other=0.0)
+    x2 = tl.load(x_row + HALF + offs, mask=mask, other=0.0)
+    o1, o2 = _rotate_half(x1, x2, c, s)
+    tl.store(o_row + offs, o1, mask=mask)
+    tl.store(o_row + HALF + offs, o2, mask=mask)
+    if REST_BLOCK > 0:
+        r = 2 * HALF + tl.arange(0, REST_BLOCK)
+        rmask = r < D
+        tl.store(o_row + r, tl.load(x_row + r, mask=rmask, other=0.0), mask=rmask)
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr,
     out_ptr,
@@ -102,26 +194,14 @@ def _rotary_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     hd = tl.program_id(1).to(tl.int64)
-    x_row = x_ptr + t * stride_xt + hd * stride_xh
-    o_row = out_ptr + t * stride_ot + hd * stride_oh
     offs = tl.arange(0, ROT_BLOCK)
     mask = offs < HALF
-    dt = out_ptr.dtype.element_ty
-    x1 = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     # cos/sin rows are cat(f, f): the first half serves both halves
-    c = tl.load(cos_ptr + t * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
-    a = (x1 * c).to(dt).to(tl.float32)
-    b = (-x2 * s).to(dt).to(tl.float32)
-    tl.store(o_row + offs, (a + b).to(dt), mask=mask)
-    a = (x2 * c).to(dt).to(tl.float32)
-    b = (x1 * s).to(dt).to(tl.float32)
-    tl.store(o_row + HALF + offs, (a + b).to(dt), mask=mask)
-    if REST_BLOCK > 0:
-        r = 2 * HALF + tl.arange(0, REST_BLOCK)
-        rmask = r < D
-        tl.store(o_row + r, tl.load(x_row + r, mask=rmask, other=0.0), mask=rmask)
+    c = tl.load(cos_ptr + t * stride_c + offs, mask=mask, other=0.0)
+    s = tl.load(sin_ptr + t * stride_c + offs, mask=mask, other=0.0)
+    x_row = x_ptr + t * stride_xt + hd * stride_xh
+    o_row = out_ptr + t * stride_ot + hd * stride_oh
+    _rotate_row(x_row, o_row, c, s, offs, mask, HALF, D, REST_BLOCK)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,5 +223,92 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
             x, out, cos, sin, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), half, D,
             ROT_BLOCK=triton.next_power_of_2(half), REST_BLOCK=triton.next_power_of_2(rest) if rest else 0,
             num_warps=1,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _rotary_kv_cache_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_cs, stride_ch, stride_c, Hq, HALF, D,
+    ROT_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
+):  # fmt: skip
+    # grid (T, Hq + Hk): program (t, h) rotates q head h (h < Hq) into q_out, or k head h - Hq into the
+    # cache row slot_mapping[t] and copies v head h - Hq there too
+    t = tl.program_id(0).to(tl.int64)
+    hd = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, ROT_BLOCK)
+    mask = offs < HALF
+    c = tl.load(cos_ptr + t * stride_c + offs, mask=mask, other=0.0)  # rows cat(f, f): first half
+    s = tl.load(sin_ptr + t * stride_c + offs, mask=mask, other=0.0)
+    if hd < Hq:
+        _rotate_row(
+            q_ptr + t * stride_qt + hd * stride_qh, q_out_ptr + t * stride_ot + hd * stride_oh,
+            c, s, offs, mask, HALF, D, REST_BLOCK,
+        )  # fmt: skip
+    else:
+        kh = hd - Hq
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        _rotate_row(
+            k_ptr + t * stride_kt + kh * stride_kh, k_cache_ptr + slot * stride_cs + kh * stride_ch,
+            c, s, offs, mask, HALF, D, REST_BLOCK,
+        )  # fmt: skip
+        d = tl.arange(0, D_BLOCK)
+        dmask = d < D
+        v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=dmask, other=0.0)
+        tl.store(v_cache_ptr + slot * stride_cs + kh * stride_ch + d, v, mask=dmask)
+
+
+def rotary_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q and k by cos/sin, write rotated k and v into the paged cache; return rotated q. One launch.
+
+    q (T, Hq, D), k and v (T, Hk, D): any token/head strides (e.g. views of the qkv projection's
+    output), head_dim contiguous. cos/sin (T, rotary_dim) in q's dtype, rows cat(f, f) (as
+    ``RotaryEmbedding.cos_sin`` gives them); dims past rotary_dim pass through unrotated. k_cache and
+    v_cache (num_slots, Hk, D) in q's dtype; slot_mapping (T,) integer, every entry a valid slot
+    (CUDA-graph padding rows point at a scratch slot). Afterwards ``k_cache[slot_mapping]`` holds
+    ``rotate_torch(k, cos, sin)`` and ``v_cache[slot_mapping]`` holds v, exactly as the torch path's
+    ``k_cache[slot_mapping] = k`` after ``rotary`` leaves them; the returned q (T, Hq, D) equals
+    ``rotary(q, cos, sin)``. No host syncs: capturable in CUDA graphs.
+    """
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    rd = cos.shape[-1]
+    assert k.shape == v.shape == (T, Hk, D), f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}"
+    assert cos.shape == sin.shape == (T, rd) and rd % 2 == 0 and rd <= D, (
+        f"cos/sin {tuple(cos.shape)} do not fit q {tuple(q.shape)}"
+    )
+    assert cos.dtype == q.dtype and cos.stride(-1) == 1 and sin.stride() == cos.stride(), "cos/sin: q's dtype, rows"
+    assert k_cache.shape[1:] == (Hk, D) and v_cache.shape == k_cache.shape, (
+        f"cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not fit k {tuple(k.shape)}"
+    )
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == q.dtype, (
+        f"q {q.dtype}, k {k.dtype}, v {v.dtype} and cache {k_cache.dtype} {v_cache.dtype} must agree"
+    )
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "cache: head_dim contiguous, k/v alike"
+    assert slot_mapping.shape == (T,) and not slot_mapping.is_floating_point(), f"slot_mapping {slot_mapping.shape}"
+    tl_dtype(q.dtype)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    slot_mapping = slot_mapping.contiguous()
+    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    if T and Hq + Hk:
+        half = rd // 2
+        rest = D - rd
+        _rotary_kv_cache_kernel[(T, Hq + Hk)](
+            q, k, v, out, k_cache, v_cache, cos, sin, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), cos.stride(0), Hq, half, D,
+            ROT_BLOCK=triton.next_power_of_2(half), REST_BLOCK=triton.next_power_of_2(rest) if rest else 0,
+            D_BLOCK=triton.next_power_of_2(D), num_warps=1,
         )  # fmt: skip
     return out

@@ -1,9 +1,12 @@
-"""The fused elementwise kernels (RMSNorm, SiLU-and-mul, rotary) against their torch references.
+"""The fused elementwise kernels (RMSNorm, add + RMSNorm, SiLU-and-mul, rotary, rotary + KV-cache
+write) against their torch references.
 
 fp32: within float error. bf16: RMSNorm and SiLU-and-mul within one bf16 step of their output;
 rotary by the issue's kernel criterion, max |diff| / max |ref| < 1e-2 (seen on the H200: 11 of 640
 outputs off by 0.0078, one bf16 step of the *products*, which cancellation makes large relative to a
-small sum). Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (fp32 only there).
+small sum). The fused kernels are also held to their unfused Triton twins bit for bit (they share
+the jit helpers), and the residual sum to torch's ``x + residual`` bit for bit. Runs on CUDA, or on
+the CPU under ``TRITON_INTERPRET=1`` (fp32 and fp16 there: bf16 only on CUDA).
 """
 
 from __future__ import annotations
@@ -18,16 +21,27 @@ from loraserve.forward_context import AttentionMetadata, forward_context  # noqa
 from loraserve.layers.activation import silu_and_mul_torch  # noqa: E402
 from loraserve.layers.norm import rms_norm_torch  # noqa: E402
 from loraserve.layers.rotary import RotaryEmbedding, rotate_torch  # noqa: E402
-from loraserve.layers.triton_elementwise import rms_norm, rotary, silu_and_mul  # noqa: E402
+from loraserve.layers.triton_elementwise import (  # noqa: E402
+    fused_add_rms_norm,
+    rms_norm,
+    rotary,
+    rotary_kv_cache,
+    silu_and_mul,
+)
 
 # NOTE: triton 3.6's interpreter mishandles bf16 (see test_triton_moe.py): bf16 on CUDA only
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEV.type == "cuda" else [])
+FUSED_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV.type == "cuda" else [])
 
 
 def close(got, want, per_element=True):
     assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+    if not want.numel():
+        return
     if want.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    elif want.dtype == torch.float16:  # finer steps than bf16: half precision's own tolerance
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
     elif not per_element:
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         assert err < 1e-2, f"relative error {err:.2e} ({(got == want).float().mean().item():.1%} equal)"
@@ -122,3 +136,102 @@ def test_rotate_gpu_fuses_only_views_of_one_storage(T):
     got_q, got_k = RotaryEmbedding._rotate_gpu(q, k, cos, sin)
     close(got_q, rotate_torch(q, cos, sin))
     close(got_k, rotate_torch(k, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (33, 4096), (5, 7, 128), (3, 896), (0, 64)])
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_fused_add_rms_norm_equals_add_then_norm(dtype, shape, weight_fp32):
+    """The residual out is torch's x + residual bit for bit; the norm out is RMSNorm of that sum (the
+    torch reference within tolerance, the unfused Triton kernel bit for bit); inputs untouched."""
+    x, r = rand(*shape, dtype=dtype, seed=11), rand(*shape, dtype=dtype, seed=12)
+    w = rand(shape[-1], dtype=torch.float32 if weight_fp32 else dtype, seed=13)
+    x0, r0 = x.clone(), r.clone()
+    out, res = fused_add_rms_norm(x, r, w, 1e-6)
+    want_res = x + r
+    assert res.dtype == dtype and res.shape == x.shape and torch.equal(res, want_res)
+    close(out, rms_norm_torch(want_res, w, 1e-6))
+    assert torch.equal(out, rms_norm(want_res, w, 1e-6))
+    assert torch.equal(x, x0) and torch.equal(r, r0)
+
+
+def test_fused_add_rms_norm_reads_strided_views():
+    xr = rand(9, 2, 64, dtype=torch.float32, seed=14)
+    x, r = xr[:, 0], xr[:, 1]  # rows 128 apart
+    w = rand(64, dtype=torch.float32, seed=15)
+    out, res = fused_add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(res, x + r)
+    close(out, rms_norm_torch(x + r, w, 1e-5))
+
+
+def test_rms_norm_module_with_residual_is_add_then_norm():
+    """RMSNorm(x, residual) on the kernel's device: the same pair as ``h = x + residual; norm(h)``."""
+    from loraserve.layers.norm import RMSNorm
+
+    norm = RMSNorm(128, 1e-6).to(DEV)
+    norm.weight.data.copy_(rand(128, dtype=torch.float32, seed=16))
+    x, r = rand(6, 128, dtype=torch.float32, seed=17), rand(6, 128, dtype=torch.float32, seed=18)
+    out, res = norm(x, r)
+    assert torch.equal(res, x + r)
+    close(out, rms_norm_torch(x + r, norm.weight, 1e-6))
+    close(norm(x), rms_norm_torch(x, norm.weight, 1e-6))
+
+
+def _cos_sin(T: int, rd: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.randint(0, 5000, (T,), generator=torch.Generator().manual_seed(seed)).to(DEV)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)).to(DEV)
+    freqs = pos.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+@pytest.mark.parametrize(
+    "T,Hq,Hk,D,rd", [(1, 4, 4, 64, 64), (37, 8, 2, 128, 128), (6, 6, 3, 80, 32), (5, 4, 2, 64, 48), (0, 4, 2, 64, 64)]
+)
+@pytest.mark.parametrize("split", [True, False])
+def test_rotary_kv_cache_equals_rotary_then_index_put(dtype, T, Hq, Hk, D, rd, split):
+    """q, k, v as views of one qkv row (split) or separate tensors (q/k-norm outputs): the returned q
+    and the cache rows at slot_mapping equal rotate_torch then ``cache[slot_mapping] = k``; v lands
+    unrotated; every other cache row keeps its value; q, k, v untouched."""
+    if split:
+        qkv = rand(T, (Hq + 2 * Hk) * D, dtype=dtype, seed=21)
+        q, k, v = (t.view(T, h, D) for t, h in zip(qkv.split([Hq * D, Hk * D, Hk * D], dim=-1), (Hq, Hk, Hk)))
+    else:
+        q, k, v = (rand(T, h, D, dtype=dtype, seed=22 + i) for i, h in enumerate((Hq, Hk, Hk)))
+    cos, sin = _cos_sin(T, rd, dtype, seed=25)
+    num_slots = 3 * T + 5
+    k_cache, v_cache = rand(num_slots, Hk, D, dtype=dtype, seed=26), rand(num_slots, Hk, D, dtype=dtype, seed=27)
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(28))[:T].to(DEV)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[slots] = rotate_torch(k, cos, sin)
+    want_v[slots] = v
+    q0, k0, v0 = q.clone(), k.clone(), v.clone()
+
+    got_q = rotary_kv_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+
+    close(got_q, rotate_torch(q, cos, sin), per_element=False)
+    assert torch.equal(got_q, rotary(q, cos, sin))  # the unfused kernel's roundings, bit for bit
+    close(k_cache, want_k, per_element=False)
+    assert torch.equal(k_cache[slots], rotary(k, cos, sin))
+    assert torch.equal(v_cache, want_v)
+    others = torch.ones(num_slots, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    assert torch.equal(k_cache[others], want_k[others])  # rows outside slot_mapping untouched
+    assert torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_rotary_kv_cache_writes_a_strided_cache():
+    """A cache that is a view (every other slot of a bigger tensor): strides are honoured."""
+    T, Hq, Hk, D = 5, 4, 2, 32
+    q, k, v = (rand(T, h, D, dtype=torch.float32, seed=31 + i) for i, h in enumerate((Hq, Hk, Hk)))
+    cos, sin = _cos_sin(T, D, torch.float32, seed=34)
+    big_k, big_v = rand(2 * 16, Hk, D, dtype=torch.float32, seed=35), rand(2 * 16, Hk, D, dtype=torch.float32, seed=36)
+    k_cache, v_cache = big_k[::2], big_v[::2]
+    slots = torch.tensor([3, 0, 15, 7, 8], device=DEV)
+    want_k, want_v = big_k.clone(), big_v.clone()
+    want_k[::2][slots] = rotate_torch(k, cos, sin)
+    want_v[::2][slots] = v
+    rotary_kv_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+    close(big_k, want_k)
+    assert torch.equal(big_v, want_v)
