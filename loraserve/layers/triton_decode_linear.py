@@ -79,8 +79,8 @@ def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
     """
     if N > 65536:
         return DecodeTiles(block_n=128, block_k=128, num_warps=8, num_stages=4)
-    if N > 16384:  # NOTE: 128-row blocks (60.2 µs) over 64 (59.3): half the waves of LoRA epilogues
-        return DecodeTiles(block_n=128, block_k=128, num_warps=8, num_stages=4)
+    if N > 16384:
+        return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
     blocks = triton.cdiv(N, 64)
     split = max(1, min(4, 128 // blocks, K // 256))
     return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=5, split_k=split)
@@ -95,58 +95,9 @@ def prefer_over_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _lora_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, N0, N1, stride_ws0, stride_ws1, stride_ws2,
-                NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """(slice, its B, B's slot stride, first column within the slice) of column block pid_n: block_n
-    divides every slice, so a block lies in one slice. NOTE: `pid_n * 0 + c`: every branch of a
-    runtime `if` must give a variable the same type."""
-    col0 = pid_n * BLOCK_N
-    if NUM_SLICES == 1:
-        sl = pid_n * 0
-        b_ptr = b0_ptr
-        stride_ws = stride_ws0
-        n_loc0 = col0
-    else:
-        if col0 < N0:
-            sl = pid_n * 0
-            b_ptr = b0_ptr
-            stride_ws = stride_ws0
-            n_loc0 = col0
-        elif col0 < N0 + N1:
-            sl = pid_n * 0 + 1
-            b_ptr = b1_ptr
-            stride_ws = stride_ws1
-            n_loc0 = col0 - N0
-        else:
-            sl = pid_n * 0 + 2
-            b_ptr = b2_ptr
-            stride_ws = stride_ws2
-            n_loc0 = col0 - N0 - N1
-    return sl, b_ptr, stride_ws, n_loc0
-
-
-@triton.jit
-def _load_b(b_ptr, stride_ws, n_loc0, chunk, S, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-            SLOTS_PER_CHUNK: tl.constexpr):  # fmt: skip
-    """B of a chunk of slots for this block's columns: (BLOCK_N, SLOTS_PER_CHUNK * BLOCK_R), column c =
-    (slot chunk + c // BLOCK_R, rank index c % BLOCK_R). Read unmasked along r up to R (B's columns past
-    a slot's rank are zero, and multiply zeros in s)."""
-    offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
-    c_r = offs_c % BLOCK_R
-    c_j = chunk + offs_c // BLOCK_R
-    loc_n = n_loc0 + tl.arange(0, BLOCK_N)
-    return tl.load(
-        b_ptr + c_j[None, :] * stride_ws + loc_n[:, None] * R + c_r[None, :],
-        mask=((c_r < R) & (c_j < S))[None, :],
-        other=0.0,
-    )
-
-
-@triton.jit
 def _epilogue(
     acc,
     pid_n,
-    b_first,
     bias_ptr,
     y_ptr,
     M,
@@ -180,10 +131,8 @@ def _epilogue(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PREFETCH_B: tl.constexpr,
 ):
-    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored.
-    ``b_first``: B of the first chunk of slots when PREFETCH_B (loaded before the K loop)."""
+    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -194,11 +143,33 @@ def _epilogue(
     y = acc.to(out_dt)  # (BLOCK_N, BLOCK_M): the base output, rounded as cuBLAS's would be
 
     if HAS_LORA:
-        sl, b_ptr, stride_ws, n_loc0 = _lora_slice(
-            pid_n, b0_ptr, b1_ptr, b2_ptr, N0, N1, stride_ws0, stride_ws1, stride_ws2, NUM_SLICES, BLOCK_N
-        )
+        # which slice owns this column block (block_n divides every slice, so one slice per program)
+        # NOTE: `pid_n * 0 + c`: every branch of a runtime `if` must give a variable the same type
+        col0 = pid_n * BLOCK_N
+        if NUM_SLICES == 1:
+            sl = pid_n * 0
+            b_ptr = b0_ptr
+            stride_ws = stride_ws0
+            n_loc0 = col0
+        else:
+            if col0 < N0:
+                sl = pid_n * 0
+                b_ptr = b0_ptr
+                stride_ws = stride_ws0
+                n_loc0 = col0
+            elif col0 < N0 + N1:
+                sl = pid_n * 0 + 1
+                b_ptr = b1_ptr
+                stride_ws = stride_ws1
+                n_loc0 = col0 - N0
+            else:
+                sl = pid_n * 0 + 2
+                b_ptr = b2_ptr
+                stride_ws = stride_ws2
+                n_loc0 = col0 - N0 - N1
         slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)  # (BLOCK_M,)
         rank = tl.load(rank_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)  # (BLOCK_M,)
+        loc_n = n_loc0 + tl.arange(0, BLOCK_N)
         # Columns c of a chunk: slot j = chunk * SLOTS_PER_CHUNK + c // BLOCK_R, rank index r = c % BLOCK_R.
         # NOTE: the whole chunk of slots is ONE load of B and ONE MMA: s is expanded to (tokens, slots x r)
         # with zeros outside each token's own slot, so each token meets only its own B. A loop of one
@@ -209,13 +180,12 @@ def _epilogue(
         delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for chunk in range(0, S, SLOTS_PER_CHUNK):
             c_j = chunk + offs_c // BLOCK_R  # (C,) slot of each column
-            if PREFETCH_B:
-                if chunk == 0:
-                    b = b_first
-                else:
-                    b = _load_b(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
-            else:
-                b = _load_b(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
+            # B's columns past a slot's rank are read unmasked along r (they multiply zeros in s)
+            b = tl.load(
+                b_ptr + c_j[None, :] * stride_ws + loc_n[:, None] * R + c_r[None, :],
+                mask=((c_r < R) & (c_j < S))[None, :],
+                other=0.0,
+            )  # (BLOCK_N, C)
             if USE_PDL:
                 # launched while the shrink runs (PDL): its partials are read only after it has finished
                 tl.extra.cuda.gdc_wait()
@@ -292,7 +262,6 @@ def _decode_linear_kernel(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PREFETCH_B: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if SPLIT_W == 1:
@@ -309,15 +278,6 @@ def _decode_linear_kernel(
     m_mask = offs_m < M
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-    if PREFETCH_B:
-        # NOTE: B does not depend on the shrink: its first chunk is loaded before the K loop, so its DRAM
-        # round trip hides under the loop instead of adding to every wave's epilogue
-        _, b_ptr0, stride_ws_0, n_loc0 = _lora_slice(
-            pid_n, b0_ptr, b1_ptr, b2_ptr, N0, N1, stride_ws0, stride_ws1, stride_ws2, NUM_SLICES, BLOCK_N
-        )
-        b_first = _load_b(b_ptr0, stride_ws_0, n_loc0, 0, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
-    else:
-        b_first = tl.zeros((BLOCK_N, SLOTS_PER_CHUNK * BLOCK_R), dtype=tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
@@ -339,10 +299,10 @@ def _decode_linear_kernel(
 
     if SPLIT_W == 1:
         _epilogue(
-            acc, pid_n, b_first, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr,
+            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, PREFETCH_B,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
@@ -361,10 +321,10 @@ def _decode_linear_kernel(
                 total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             _epilogue(
-                total, pid_n, b_first, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
+                total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
                 rank_ptr, S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK,
-                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, PREFETCH_B,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
 
 
@@ -485,7 +445,7 @@ def decode_linear(
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
         EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
-        USE_PDL=pdl, PREFETCH_B=lora is not None and split == 1, num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
+        USE_PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
         **lora_consts,
     )  # fmt: skip
     return y
