@@ -17,9 +17,13 @@ from loraserve.layers.triton_dispatch import decode_linear_kernels, on_triton
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; on the GPU at decode sizes, the Triton decode GEMM where it beats cuBLAS
-    (``triton_decode_linear.prefer_over_cublas``: small layers, which cuBLAS leaves SMs idle on)."""
-    if on_triton(x) and x.dim() == 2 and x.shape[0] <= 32:
+    """``F.linear``; in a CUDA graph at decode sizes, the Triton decode GEMM where it beats cuBLAS
+    (``triton_decode_linear.prefer_over_cublas``: small layers, which cuBLAS leaves SMs idle on).
+
+    NOTE: only while capturing: a Triton launch costs more host time than cuBLAS's, which eager steps pay
+    on every call and graph replays never do.
+    """
+    if on_triton(x) and x.dim() == 2 and x.shape[0] <= 32 and torch.cuda.is_current_stream_capturing():
         kernels = decode_linear_kernels()
         if kernels.prefer_over_cublas(x, weight):
             return kernels.decode_linear(x, weight, bias)
