@@ -79,7 +79,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """``mlp`` / ``attn``: the block's own modules (MoE families pass theirs); default Llama's."""
+    """``mlp`` / ``attn``: the block's own modules (MoE families pass theirs); default Llama's.
+
+    Runs on a residual stream (vLLM's layout): ``forward(positions, h, residual) -> (h, residual)``
+    where the hidden state is ``h + residual``, the adds done by the norms (one launch each on the
+    GPU: ``RMSNorm(x, residual)``). The first layer gets the embeddings and ``residual=None``; the
+    model's final norm adds the last layer's pair. The sums are the ones ``h = h + attn(norm(h))``
+    makes, in the same order of rounding, so the result is bit-identical to that formulation.
+    """
 
     def __init__(self, config, layer_idx: int, mlp: nn.Module | None = None, attn: nn.Module | None = None):
         super().__init__()
@@ -88,9 +95,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -101,10 +114,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual)
+        if residual is None:  # no layers
+            return self.norm(h)
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module, SupportsLoRA):

@@ -1,0 +1,58 @@
+"""The decoder's residual stream (``layer(positions, h, residual) -> (h, residual)``, the adds done by
+``RMSNorm(x, residual)``) is a restructure only: on the torch path it gives the same bits as the plain
+``h = h + attn(norm(h)); h = h + mlp(norm(h))`` formulation, in bf16 (where a different order of
+rounding would show) and fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from loraserve.engine.model_runner import attention_layers
+from loraserve.forward_context import AttentionMetadata, forward_context
+from loraserve.layers.norm import RMSNorm, rms_norm_torch
+from loraserve.models.loader import init_dummy_weights
+from loraserve.models.registry import get_model_class
+
+
+def plain_forward(model, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The formulation before the residual stream: every add explicit, each norm on the sum."""
+    m = model.model
+    h = m.embed_tokens(ids)
+    for layer in m.layers:
+        h = h + layer.self_attn(pos, layer.input_layernorm(h))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return m.norm(h)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_residual_stream_is_bit_identical_to_plain_adds(dtype, arch):
+    cfg_cls = transformers.LlamaConfig if arch == "LlamaForCausalLM" else transformers.Qwen3Config
+    cfg = cfg_cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, architectures=[arch])  # fmt: skip
+    model = get_model_class(cfg)(cfg)
+    init_dummy_weights(model, seed=3, std=0.2)
+    model.to(dtype)
+    for attn in attention_layers(model):
+        k = torch.zeros(16, attn.num_kv_heads, attn.head_dim, dtype=dtype)
+        attn.bind_kv_cache(k, torch.zeros_like(k))
+    T = 9
+    ids, pos = torch.randint(0, 128, (T,), generator=torch.Generator().manual_seed(4)), torch.arange(T)
+    md = AttentionMetadata(slot_mapping=pos, query_starts=[0], query_lens=[T], context_lens=[T], kv_slots=[pos])
+    with torch.inference_mode(), forward_context(attn=md):
+        got = model(ids, pos)
+        want = plain_forward(model, ids, pos)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_rms_norm_with_residual_returns_the_sum_and_its_norm():
+    norm = RMSNorm(32, 1e-5)
+    norm.weight.data.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(6)
+    x, r = (torch.randn(4, 32, generator=g) * 3).bfloat16(), (torch.randn(4, 32, generator=g) * 3).bfloat16()
+    out, res = norm(x, r)
+    assert torch.equal(res, x + r) and torch.equal(out, rms_norm_torch(x + r, norm.weight, 1e-5))
+    assert torch.equal(norm(x), rms_norm_torch(x, norm.weight, 1e-5))  # no residual: a plain norm
