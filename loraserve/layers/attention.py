@@ -5,17 +5,27 @@ The KV cache of a layer is two tensors (num_slots, num_kv_heads, head_dim), slot
 sequence's slots and runs SDPA with a causal (optionally sliding-window) mask. On CUDA the Triton
 kernel (``triton_attention.py``: one launch per layer for the whole varlen batch, through block
 tables) runs behind the same ``Attention.forward``, chosen once when the cache is bound.
+
+Attention also owns the step before the kernel: rotary on q and k, then the cache write. Given the
+layer's ``RotaryEmbedding``, ``forward`` rotates them itself, so that on the Triton path one launch
+(``triton_elementwise.rotary_kv_cache``) rotates q and k and stores k and v into the cache, instead
+of a rotary launch plus two index_put launches.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loraserve.forward_context import AttentionMetadata, get_forward_context
+from loraserve.layers.triton_dispatch import elementwise_kernels
+
+if TYPE_CHECKING:
+    from loraserve.layers.rotary import RotaryEmbedding
 
 
 def reference_paged_attention(
@@ -102,16 +112,39 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
         self._kernel = _select_kernel(k_cache.device)  # chosen once, by the cache's device type
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (T, Hq*D), k/v (T, Hk*D) -> (T, Hq*D). Writes k/v into the cache first."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
+    ) -> torch.Tensor:
+        """q (T, Hq*D), k/v (T, Hk*D) (or (T, H, D) views, head_dim contiguous) -> (T, Hq*D).
+
+        Writes k and v into the cache at the forward's ``slot_mapping``, then attends over the cache.
+        With ``rotary_emb`` and ``positions`` (T,), q and k arrive unrotated and are rotated here
+        first (the cache holds rotated k and plain v); without them they are taken as rotated already.
+        The result is the same either way; with the Triton kernel bound, the rotation and the cache
+        write are one launch.
+        """
         md = get_forward_context().attn
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         assert self.k_cache is not None, "KV cache not bound; the model runner binds it before the first forward"
-        self.k_cache[md.slot_mapping] = k.to(self.k_cache.dtype)
-        self.v_cache[md.slot_mapping] = v.to(self.v_cache.dtype)
+        assert (positions is None) == (rotary_emb is None), "pass positions and rotary_emb together"
+        if rotary_emb is not None and self._kernel is not None:
+            cos, sin = rotary_emb.cos_sin(positions, q.dtype)  # (T, rotary_dim) each, shared per forward
+            q = elementwise_kernels().rotary_kv_cache(
+                q, k, v, cos, sin, self.k_cache, self.v_cache, md.slot_mapping
+            )  # (T, Hq, D)
+        else:
+            if rotary_emb is not None:
+                q, k = rotary_emb(positions, q, k)
+            self.k_cache[md.slot_mapping] = k.to(self.k_cache.dtype)
+            self.v_cache[md.slot_mapping] = v.to(self.v_cache.dtype)
         if self._kernel is not None:
             o = self._kernel(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
         else:

@@ -56,12 +56,10 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         T = h.shape[0]
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(T, -1, self.head_dim)  # (T, Hq, D)
-        k = k.reshape(T, -1, self.head_dim)  # (T, Hk, D)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q.reshape(T, -1), k.reshape(T, -1), v)
+            q = self.q_norm(q.reshape(T, -1, self.head_dim))  # (T, Hq, D)
+            k = self.k_norm(k.reshape(T, -1, self.head_dim))  # (T, Hk, D)
+        o = self.attn(q, k, v, positions, self.rotary_emb)  # rotary + cache write fused on the GPU
         return self.o_proj(o)
 
 

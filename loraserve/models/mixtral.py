@@ -55,13 +55,11 @@ class OlmoeAttention(LlamaAttention):
         self.clip_qkv = getattr(config, "clip_qkv", None)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        T = h.shape[0]
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q, k = self.rotary_emb(positions, q.reshape(T, -1, self.head_dim), k.reshape(T, -1, self.head_dim))
-        return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v))
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
 
 
 def olmoe_block(config) -> SparseMoeBlock:
