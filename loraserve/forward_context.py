@@ -44,17 +44,18 @@ class ForwardContext:
     attn: AttentionMetadata | None = None
     lora: LoRAMapping | None = None
     extra: dict[str, Any] | None = None
+    cuda_graph: bool = False  # a decode graph's forward (its warm-up run and its capture alike)
 
 
 _CURRENT: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(attn: AttentionMetadata | None = None, lora: LoRAMapping | None = None):
+def forward_context(attn: AttentionMetadata | None = None, lora: LoRAMapping | None = None, cuda_graph: bool = False):
     global _CURRENT
     if _CURRENT is not None:
         raise RuntimeError("forward_context is already active; nested forwards are not supported")
-    _CURRENT = ForwardContext(attn=attn, lora=lora)
+    _CURRENT = ForwardContext(attn=attn, lora=lora, cuda_graph=cuda_graph)
     try:
         yield _CURRENT
     finally:

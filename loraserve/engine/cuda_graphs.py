@@ -134,7 +134,7 @@ class DecodeGraphs:
 
     def _forward(self, Bp: int, use_lora: bool) -> torch.Tensor:
         md, mapping = self._contexts(Bp, use_lora)
-        with forward_context(attn=md, lora=mapping):
+        with forward_context(attn=md, lora=mapping, cuda_graph=True):
             hidden = self.runner.model(self.longs[0, :Bp], self.longs[1, :Bp])
             return self.runner.model.compute_logits(hidden)
 

@@ -13,17 +13,20 @@ from torch import nn
 
 from loraserve.distributed.comm import tp_all_gather, tp_all_reduce
 from loraserve.distributed.parallel_state import divide, get_tp_rank, get_tp_size
+from loraserve.forward_context import get_forward_context_or_none
 from loraserve.layers.triton_dispatch import decode_linear_kernels, on_triton
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; in a CUDA graph at decode sizes, the Triton decode GEMM where it beats cuBLAS
+    """``F.linear``; in a CUDA-graph forward at decode sizes, the Triton decode GEMM where it beats cuBLAS
     (``triton_decode_linear.prefer_over_cublas``: small layers, which cuBLAS leaves SMs idle on).
 
-    NOTE: only while capturing: a Triton launch costs more host time than cuBLAS's, which eager steps pay
-    on every call and graph replays never do.
+    NOTE: graph forwards only (the warm-up run before a capture too, which compiles the kernel outside
+    the capture): a Triton launch costs more host time than cuBLAS's, which eager steps pay on every
+    call and graph replays never do.
     """
-    if on_triton(x) and x.dim() == 2 and x.shape[0] <= 32 and torch.cuda.is_current_stream_capturing():
+    ctx = get_forward_context_or_none()
+    if ctx is not None and ctx.cuda_graph and on_triton(x) and x.dim() == 2 and x.shape[0] <= 32:
         kernels = decode_linear_kernels()
         if kernels.prefer_over_cublas(x, weight):
             return kernels.decode_linear(x, weight, bias)
