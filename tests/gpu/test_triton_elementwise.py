@@ -235,3 +235,39 @@ def test_rotary_kv_cache_writes_a_strided_cache():
     rotary_kv_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
     close(big_k, want_k)
     assert torch.equal(big_v, want_v)
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="CUDA graphs")
+def test_fused_kernels_replay_from_a_cuda_graph_on_new_inputs():
+    """Both fused kernels captured in one graph (no host syncs), then replayed on refilled inputs (new
+    activations, positions and slots): the same bits as eager calls on those inputs."""
+    T, Hq, Hk, D, N, S = 8, 8, 2, 64, 256, 40
+    dtype = torch.bfloat16
+    x, r, w = rand(T, N, dtype=dtype, seed=41), rand(T, N, dtype=dtype, seed=42), rand(N, dtype=dtype, seed=43)
+    qkv = rand(T, (Hq + 2 * Hk) * D, dtype=dtype, seed=44)
+    q, k, v = (t.view(T, h, D) for t, h in zip(qkv.split([Hq * D, Hk * D, Hk * D], dim=-1), (Hq, Hk, Hk)))
+    cos, sin = _cos_sin(T, D, dtype, seed=45)
+    slots = torch.arange(T, device=DEV)
+    k_cache, v_cache = torch.zeros(S, Hk, D, dtype=dtype, device=DEV), torch.zeros(S, Hk, D, dtype=dtype, device=DEV)
+    fused_add_rms_norm(x, r, w, 1e-6), rotary_kv_cache(q, k, v, cos, sin, k_cache, v_cache, slots)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, res = fused_add_rms_norm(x, r, w, 1e-6)
+        got_q = rotary_kv_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+    x.copy_(rand(T, N, dtype=dtype, seed=46))
+    r.copy_(rand(T, N, dtype=dtype, seed=47))
+    qkv.copy_(rand(T, (Hq + 2 * Hk) * D, dtype=dtype, seed=48))
+    new_cos, new_sin = _cos_sin(T, D, dtype, seed=49)
+    cos.copy_(new_cos)
+    sin.copy_(new_sin)
+    slots.copy_(torch.randperm(S, generator=torch.Generator().manual_seed(50))[:T].to(DEV))
+    k_cache.zero_()
+    v_cache.zero_()
+    graph.replay()
+    want_out, want_res = fused_add_rms_norm(x, r, w, 1e-6)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_q = rotary_kv_cache(q, k, v, cos, sin, want_k, want_v, slots)
+    assert torch.equal(res, x + r) and torch.equal(out, want_out) and torch.equal(res, want_res)
+    assert torch.equal(got_q, want_q) and torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert want_k[slots].ne(0).any() and want_v[slots].ne(0).any()  # the refilled slots were written
