@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu/run_device.sh e2e       # bench_e2e (Llama-8B and Qwen-0.5B shapes, HF + PEFT)
 #   bash benchmarks/gpu/run_device.sh moe       # bench_moe only
 #   bash benchmarks/gpu/run_device.sh tune      # bench_moe --tune: the grouped GEMM's tile sweep
-#   bash benchmarks/gpu/run_device.sh decode    # bench_decode_linear --tune: decode GEMM (+ fused LoRA) vs cuBLAS
+#   bash benchmarks/gpu/run_device.sh decode    # bench_decode_linear: decode GEMM (+ fused LoRA) vs cuBLAS, Llama-8B
+#   bash benchmarks/gpu/run_device.sh decode-tune  # the same after its tile sweep
+#   bash benchmarks/gpu/run_device.sh peft      # tests/lora/test_peft_features.py on the GPU (every PEFT extra, graphs on)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -28,7 +30,13 @@ for stage in "$@"; do
             timeout 240 python3 benchmarks/gpu/bench_moe.py --tune --json "$OUT/moe_tune.json" 2>&1 | tee "$OUT/moe_tune.txt"
             ;;
         decode)
-            timeout 300 python3 benchmarks/gpu/bench_decode_linear.py --tune --json "$OUT/decode.json" 2>&1 | tee "$OUT/bench_decode.txt"
+            timeout 150 python3 benchmarks/gpu/bench_decode_linear.py --models llama-8b --tokens 16,32 --json "$OUT/decode.json" 2>&1 | tee "$OUT/bench_decode.txt"
+            ;;
+        decode-tune)
+            timeout 300 python3 benchmarks/gpu/bench_decode_linear.py --tune --json "$OUT/decode.json" 2>&1 | grep -v OutOfResources | tee "$OUT/bench_decode.txt"
+            ;;
+        peft)
+            timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 6 tests/lora/test_peft_features.py 2>&1 | tail -5 | tee "$OUT/peft_tests.txt"
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"
