@@ -1,5 +1,5 @@
 """A linear layer at decode sizes (<= 32 tokens) on the GPU, with an optional per-token low-rank
-epilogue: the LoRA expand. One launch.
+epilogue: the LoRA expand, in the same launch as the GEMM.
 
     y = round(x @ W^T + bias) + sum_i B_i[slot(t)] (s_i[t])      (slice i owns columns [off_i, off_i + N_i))
 
