@@ -4,6 +4,9 @@ Everything runs on the logits' device, batched over rows: greedy rows are one ar
 rows go through ``apply_filters_batched`` (the vectorised ``apply_filters``, which stays the
 single-row reference) and one ``torch.multinomial`` per generator (all unseeded rows share the
 default one). Only the (B,) token ids, and the few logprob numbers asked for, reach the host.
+Nothing here waits for the device: the few host tables (params, rows, banned ids) go up through
+pinned memory (engine/transfer.py), so sampling a step scheduled ahead queues behind the step still
+running (torch.multinomial checks its input with an on-device assert, not a host read).
 
 Logprobs are those of the model's distribution (log-softmax of the raw logits, before temperature
 and filters), as vLLM returns by default; the sampled token is always among them.
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.engine.transfer import to_device
 from loraserve.sampling import SamplingParams
 
 NEG_INF = float("-inf")
@@ -96,15 +100,16 @@ def apply_filters_batched(logits: torch.Tensor, params: list[SamplingParams]) ->
     use_p = [p.top_p < 1.0 for p in params]
     use_m = [p.min_p > 0.0 for p in params]
     # NOTE: top_k as a float: every k <= V fits fp32 exactly, so the params are one (4, n) copy
-    table = torch.tensor(
+    table = to_device(
         [
             [p.temperature for p in params],
             [p.top_k if u else V for p, u in zip(params, use_k)],
             [p.top_p for p in params],
             [p.min_p for p in params],
         ],
-        dtype=torch.float32,
-    ).to(logits.device)
+        torch.float32,
+        logits.device,
+    )
     temperature, top_k, top_p, min_p = table[:, :, None]  # each (n, 1)
     x = logits / temperature
     if any(use_p):
@@ -163,7 +168,7 @@ class Sampler:
         logits = logits.float()
         if banned_ids is not None and any(banned_ids):
             rc = [(i, t) for i, ids in enumerate(banned_ids) for t in ids]
-            rows, cols = torch.tensor(rc, dtype=torch.long).T.to(dev)
+            rows, cols = to_device(rc, torch.long, dev).T
             logits = logits.index_put((rows, cols), torch.full((), NEG_INF, device=dev))  # out of place
         out = logits.argmax(dim=-1)
         # non-greedy rows, grouped by generator (every unseeded row shares the default one) and
@@ -176,7 +181,7 @@ class Sampler:
         if not groups:
             return out
         order = [i for _, rows in groups.values() for i in rows]
-        rows = torch.tensor(order, dtype=torch.long).to(dev)
+        rows = to_device(order, torch.long, dev)
         probs = apply_filters_batched(logits[rows], [params[i] for i in order]).softmax(-1)  # (n, V)
         draws, start = [], 0
         for g, group in groups.values():
