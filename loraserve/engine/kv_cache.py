@@ -1,6 +1,7 @@
 """Paged KV block manager: a free list of fixed-size blocks; sequences own block tables.
 
-Paired verbs: ``can_allocate / allocate / free``. Every block returns to the free list when its
+Paired verbs: ``can_allocate / allocate / free``, and ``can_append_slots / append_slots`` for a
+decode step scheduled ahead (async scheduling). Every block returns to the free list when its
 sequence finishes, is aborted or is preempted.
 """
 
@@ -29,7 +30,10 @@ class BlockManager:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def _needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table), 0)
+        return self._needed_to_hold(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def _needed_to_hold(self, seq: Sequence, num_tokens: int) -> int:
+        return max(self.blocks_for(num_tokens) - len(seq.block_table), 0)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self._needed(seq, num_new_tokens) <= len(self._free)
@@ -39,6 +43,19 @@ class BlockManager:
         n = self._needed(seq, num_new_tokens)
         assert n <= len(self._free), "allocate() without can_allocate()"
         seq.block_table.extend(self._free.popleft() for _ in range(n))
+
+    def can_append_slots(self, seqs: list[Sequence]) -> bool:
+        """Whether every one of ``seqs`` can get a slot for position ``seq.num_tokens``, all at once."""
+        return sum(self._needed_to_hold(s, s.num_tokens + 1) for s in seqs) <= len(self._free)
+
+    def append_slots(self, seqs: list[Sequence]) -> None:
+        """Grow each seq's block table to hold position ``seq.num_tokens``: the token its running step
+        samples, which a step scheduled ahead feeds back before it is appended (all of them or none)."""
+        assert self.can_append_slots(seqs), "append_slots() without can_append_slots()"
+        for s in seqs:
+            s.block_table.extend(
+                self._free.popleft() for _ in range(self._needed_to_hold(s, s.num_tokens + 1))
+            )
 
     def free(self, seq: Sequence) -> None:
         self._free.extend(seq.block_table)

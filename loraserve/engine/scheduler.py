@@ -11,6 +11,10 @@ manager), which loads it off the step loop; until then the request waits and oth
 slots are held by running adapters, the oldest blocked request waits at most ``max_adapter_wait_steps``
 steps: then the scheduler drains one slot (it stops admitting the running adapter with the fewest
 sequences until they finish), so a cold adapter is never starved by hot ones.
+
+Async scheduling (engine.py) asks ``schedule_ahead`` for the decode step after the one running on
+the device, before that step's tokens are known; it answers only when that is the step
+``schedule()`` would make next anyway, else the engine finishes the running step and schedules anew.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class AdapterSlots(Protocol):
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    # scheduled ahead (async scheduling): each sequence's one new token is the one the step before
+    # samples, not appended yet: it sits at position seq.num_tokens and its id is on the device only
+    ahead: bool = False
 
     @property
     def empty(self) -> bool:
@@ -146,6 +153,27 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         self._guard_starvation(blocked_by_slots, adapters)
         return batch
+
+    def schedule_ahead(self, current: ScheduledBatch, seqs: list[Sequence]) -> ScheduledBatch:
+        """The decode step after ``current`` (on the device, its tokens not appended yet) for ``seqs``,
+        those of current's sequences that go on: one token each, at position ``seq.num_tokens``.
+
+        Empty, allocating nothing, unless it is the step ``schedule()`` would make next (short of the
+        sequences that ``current`` turns out to stop): nobody waits, ``current`` ran every running
+        sequence, the token budget holds them all, and the KV cache has a slot for each without
+        preemption (all or none). Sequences current does stop keep their slot until they finish.
+        """
+        if not seqs or self.waiting or len(seqs) > self.config.max_num_batched_tokens:
+            return ScheduledBatch()
+        ran = set(current.seqs)
+        assert all(s in ran and s.status == SequenceStatus.RUNNING for s in seqs), (
+            "schedule_ahead() of a seq not running in current"
+        )
+        if any(s not in ran for s in self.running) or not self.blocks.can_append_slots(seqs):
+            return ScheduledBatch()
+        self.blocks.append_slots(seqs)
+        self._guard_starvation(None, set())  # what schedule() does when nobody waits
+        return ScheduledBatch(list(seqs), [1] * len(seqs), ahead=True)
 
     def _adapter_admissible(self, lid: int, running_adapters: set[int]) -> bool:
         if self.adapters is None or lid in running_adapters:

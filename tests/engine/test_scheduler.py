@@ -133,6 +133,46 @@ def test_preemption_evicts_the_newest_and_recomputes():
     assert step(s) == [(new, 9)]  # prompt + both output tokens recomputed at once
 
 
+def test_schedule_ahead_is_the_decode_step_schedule_would_make():
+    """After a decode step, schedule_ahead gives the same sequences one token each (at position
+    num_tokens, whose block it allocates) only when schedule() would make that step next."""
+    s = make(num_blocks=5, block_size=4, max_tokens=64)
+    a, b = seq(4, max_tokens=20), seq(2, max_tokens=20)
+    s.add(a)
+    s.add(b)
+    step(s)  # prefill: a holds 1 block (4 tokens), b 1 block; one output token each
+    current = s.schedule()  # the decode step now on the device: position 5 for a, 3 for b
+    assert current.num_new_tokens == [1, 1] and not current.ahead
+    ahead = s.schedule_ahead(current, [a, b])  # positions 5 (a, in its 2nd block) and 3 (b)
+    assert ahead.seqs == [a, b] and ahead.num_new_tokens == [1, 1] and ahead.ahead
+    assert len(a.block_table) == 2 and len(b.block_table) == 1
+    assert s.schedule_ahead(current, [b]).seqs == [b]  # a left out (current ends it): b alone
+    c = seq(3)
+    s.add(c)
+    assert s.schedule_ahead(current, [a, b]).empty  # someone waits: schedule() would admit it
+    s.waiting.clear()
+    s.running.append(c)  # a running sequence that current did not run
+    assert s.schedule_ahead(current, [a, b]).empty
+    s.running.remove(c)
+    assert s.schedule_ahead(current, []).empty
+
+
+def test_schedule_ahead_takes_all_slots_or_none_and_respects_the_budget():
+    s = make(num_blocks=3, block_size=4, max_tokens=64)
+    a, b = seq(3, max_tokens=20), seq(3, max_tokens=20)
+    s.add(a)
+    s.add(b)
+    step(s)  # prefill 3 tokens + one output each: 4 tokens, 1 block each, 1 free
+    current = s.schedule()  # computes position 3: no new block
+    assert s.blocks.num_free_blocks == 1
+    assert s.schedule_ahead(current, [a, b]).empty  # position 4 needs a block each: 2 > 1 free
+    assert s.blocks.num_free_blocks == 1 and len(a.block_table) == len(b.block_table) == 1
+    assert s.schedule_ahead(current, [a]).seqs == [a] and s.blocks.num_free_blocks == 0
+    s.config.max_num_batched_tokens = 1
+    assert s.schedule_ahead(current, [a]).seqs == [a]
+    assert s.schedule_ahead(current, [a, b]).empty  # two tokens over a budget of one
+
+
 def test_a_lone_sequence_is_never_preempted_while_it_fits():
     s = make(num_blocks=3, block_size=4)
     q = seq(2, max_tokens=10)  # at most 11 tokens of KV: 3 blocks
