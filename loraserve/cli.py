@@ -53,6 +53,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enforce-eager", action="store_true", help="never use CUDA graphs (on by default on the GPU)"
     )
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap each step's host work with the next step on the device (default: on for CUDA)",
+    )
     g = p.add_argument_group("LoRA (--lora enables it)")
     g.add_argument(
         "--lora", type=_lora_arg, default=None, metavar="NAME=PATH", help="a PEFT adapter dir to apply"
@@ -147,6 +153,7 @@ def _make_llm(args: argparse.Namespace):
         tensor_parallel_size=args.tensor_parallel_size,
         fully_sharded_loras=args.fully_sharded_loras,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
 
 

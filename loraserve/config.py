@@ -113,6 +113,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
+    # launch each decode step before the last one's tokens are read back, so the host's per-step work
+    # overlaps the device's (engine.py); None = on for a CUDA device, off on the CPU. Never under TP.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

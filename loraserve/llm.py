@@ -47,8 +47,11 @@ class LLM:
         progress: bool = False,
         load_format: str = "auto",
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
     ):
-        """vLLM's arguments. enforce_eager: never use CUDA graphs (on by default on a CUDA device)."""
+        """vLLM's arguments. enforce_eager: never use CUDA graphs (on by default on a CUDA device).
+        async_scheduling: launch each decode step before reading the last one back (None = on for a
+        CUDA device at TP=1, off on the CPU)."""
         lora = None
         if enable_lora:
             lora = LoRAConfig(
@@ -70,7 +73,11 @@ class LLM:
                 enforce_eager=enforce_eager,
             ),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                async_scheduling=async_scheduling,
+            ),
             lora=lora,
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s

@@ -13,6 +13,11 @@ trainable tokens) run eagerly: the layers pick that path on the host. Ranks live
 that ``refresh_ranks`` brings up to date before every replay (an adapter loaded into a slot after
 capture changes them).
 
+The static buffers are filled from pinned host memory by non-blocking copies (engine/transfer.py),
+and a step scheduled ahead (async scheduling) copies its token ids from the device: filling them
+never waits for the step still running on the device, and stream order keeps that step's replay
+reading the old contents.
+
 Graphs are captured lazily, at the first decode step of a bucket, after one eager warm-up run of
 the same static inputs (which also compiles the Triton kernels). A capture that fails (a layer that
 syncs to the host, an op that cannot be captured) raises ``GraphCaptureError``; the runner then
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from loraserve.engine.transfer import copy_from_host
 from loraserve.forward_context import AttentionMetadata, forward_context
 from loraserve.lora.punica import LoRAMapping, SegmentMeta
 
@@ -83,25 +89,23 @@ class DecodeGraphs:
         B = len(step.input_ids)
         pad = Bp - B
         slots = step.token_slots if step.token_slots is not None else [-1] * B
-        longs = torch.tensor(
-            [
-                step.input_ids + [0] * pad,
-                step.positions + [0] * pad,
-                step.slot_mapping + [self.scratch_slot] * pad,
-                slots + [-1] * pad,
-            ],
-            dtype=torch.long,
-        )
-        self.longs[:, :Bp].copy_(longs)
+        longs = [
+            step.input_ids + [0] * pad,
+            step.positions + [0] * pad,
+            step.slot_mapping + [self.scratch_slot] * pad,
+            slots + [-1] * pad,
+        ]
+        copy_from_host(self.longs[:, :Bp], longs)
+        if step.device_input_ids is not None:  # scheduled ahead: the ids are the last step's samples
+            self.longs[0, :B].copy_(step.device_input_ids)
         rows = [
             [qs, n, c] + t + [0] * (self.max_blocks - len(t))
             for t, qs, n, c in zip(step.block_tables, step.query_starts, step.query_lens, step.context_lens)
         ]
         rows += [[B + i, 0, 0] + [0] * self.max_blocks for i in range(pad)]
-        self.tables[:Bp].copy_(torch.tensor(rows, dtype=torch.int32))
+        copy_from_host(self.tables[:Bp], rows)
         if use_lora:
-            meta = SegmentMeta.static_host(slots, Bp, self.max_loras)
-            self.meta_bufs[Bp].copy_(torch.tensor(meta, dtype=torch.int32))
+            copy_from_host(self.meta_bufs[Bp], SegmentMeta.static_host(slots, Bp, self.max_loras))
 
     def _contexts(self, Bp: int, use_lora: bool):
         md = AttentionMetadata(

@@ -4,8 +4,29 @@
 Everything else (LoRA slots, KV blocks, detokenization) lives behind one object each; each phase's
 wall time accumulates in ``step_timings`` (engine/timings.py).
 
-Sampling and logprobs run on the logits' device; only the sampled ids and the logprob numbers asked
-for come back to the host, each in one transfer per step.
+Sampling and logprobs run on the logits' device; the sampled ids and the logprob numbers asked for
+come back to the host in one transfer per step (``HostCopy``: non-blocking, then one event).
+
+Async scheduling (``SchedulerConfig.async_scheduling``; on by default on CUDA at TP=1): between
+queueing step k (forward + sampling) and reading its ids back, ``step()`` queues step k+1 when it is
+a plain decode of the same sequences (``_launch_ahead``): each one's new token is step k's sample,
+gathered on the device. The host then post-processes step k (detokenize, stop checks) while the
+device runs step k+1, and the next ``step()`` call finishes k+1. Invariants:
+
+- ``step()`` still returns step k's outputs on its k-th call: at most one step is carried over
+  (``_inflight``), and the outputs are the synchronous engine's (same ids, texts, logprobs).
+- A sequence that step k stops (EOS, stop token or string) or that is aborted meanwhile still runs in
+  step k+1; that token is discarded, never appended. Its blocks are freed at once: any later use of
+  them is queued behind step k+1 on the same stream. Sequences that step k surely ends (max_tokens,
+  max_model_len) are left out of step k+1.
+- Step k+1 is launched only when it is the step ``schedule()`` would make next (nobody waits, every
+  running sequence decodes, KV slots without preemption: ``Scheduler.schedule_ahead``). A new
+  request therefore waits one step: the carried step finishes, then the next call schedules it.
+- Sampling step k+1 counts step k's token as one pending output (``min_tokens``); seeded generators
+  draw in step order. Unseeded random sampling shares one generator across rows, so discarded rows
+  shift its draws: it is a valid sample, not the synchronous engine's.
+- Nothing on the way of step k+1 waits for the device (engine/transfer.py); eager forwards still
+  copy inside some layers (attention work lists, LoRA mappings), so the full overlap needs graphs.
 """
 
 from __future__ import annotations
@@ -14,6 +35,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -25,7 +47,8 @@ from loraserve.engine.model_runner import ModelRunner, RunnerOutput, size_kv_cac
 from loraserve.engine.sampler import Sampler, TopLogprobs, logprob_stats, unpack_logprobs
 from loraserve.engine.scheduler import ScheduledBatch, Scheduler
 from loraserve.engine.sequence import Request, Sequence
-from loraserve.engine.timings import StepTimings
+from loraserve.engine.timings import StepClock, StepTimings
+from loraserve.engine.transfer import HostCopy, to_device
 from loraserve.engine.worker import EngineDeadError, start_tensor_parallel
 from loraserve.lora.request import LoRARequest
 from loraserve.models.loader import build_model, resolve_model_dir
@@ -37,6 +60,32 @@ logger = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request is invalid (too long, bad token ids, ...); the message says how to fix it."""
+
+
+@dataclass
+class LogprobRows:
+    """Whose rows a step's logprob stats hold: the prompt pieces first, then the sampled tokens."""
+
+    prompt: list[tuple[Sequence, int, list[int]]]  # seq, first position, the prompt tokens predicted
+    ks: list[int]  # top-k kept per row
+    sample_row0: int | None  # first row of the sampled tokens; None = their logprobs were not asked for
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; nothing of it is read back yet."""
+
+    batch: ScheduledBatch
+    out: RunnerOutput
+    sampled: torch.Tensor | None  # (len(out.sample_seqs),) ids on the device; None = no sequence samples
+    logprob_rows: LogprobRows | None
+    readback: HostCopy  # [sampled ids, logprob stats] on their way to the host
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence ran one token and samples: the shape a next step can be launched ahead of."""
+        one_each = all(n == 1 for n in self.batch.num_new_tokens)
+        return one_each and len(self.out.sample_seqs) == len(self.batch.seqs)
 
 
 class LLMEngine:
@@ -69,6 +118,10 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(sc, self.blocks, adapters=self.lora_manager)
         self.runner = ModelRunner(self.model, self.blocks, self.dtype, self.device, self.lora_manager)
+        self.async_scheduling = self._use_async_scheduling()
+        self._inflight: LaunchedStep | None = None  # launched ahead by the last step() call
+        self.num_launched_ahead = 0  # steps launched before the previous one was read back
+        self.num_discarded_tokens = 0  # tokens of those steps for sequences that had finished meanwhile
         if self.workers is not None:
             self.workers.attach(self.runner, self.lora_manager, num_blocks)
         if self._use_cuda_graphs():
@@ -89,6 +142,18 @@ class LLMEngine:
             and self.config.parallel.tensor_parallel_size == 1
             and not self.config.model.enforce_eager
         )
+
+    def _use_async_scheduling(self) -> bool:
+        """Async scheduling as configured; by default on for a CUDA device. Never under tensor
+        parallelism: the workers would need the device-side token ids of each step."""
+        want = self.config.scheduler.async_scheduling
+        if want is None:
+            want = self.device.type == "cuda"
+        if want and self.workers is not None:
+            if self.config.scheduler.async_scheduling:
+                logger.warning("async scheduling does not support tensor parallelism; steps run one by one")
+            return False
+        return want
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -188,29 +253,83 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule -> run (prepare, forward) -> sample -> postprocess; the outputs of the
+        requests it touched. Under async scheduling the last call may have launched it already, and
+        this call may launch the next one before reading this one back."""
         self._check_healthy()
         clock = self.step_timings.start(self._sync_device)
         try:
-            batch = self.scheduler.schedule()
-            clock.lap("schedule")
-            if batch.empty:
-                return self._idle()
-            try:
-                prepared, plan = self.runner.prepare(batch)
-                clock.lap("prepare")
-                out = self.runner.forward(prepared, plan)
-                clock.lap("forward", sync=True)
-            except EngineDeadError:  # a tensor-parallel worker died mid-step: fail every request
-                self._check_healthy()
-                raise
-            sampled = self._sample(out)  # on the device, for logprobs
-            token_ids = sampled.tolist() if sampled is not None else []  # the step's one wait on the device
-            clock.lap("sample", sync=True)
-            outputs = self._postprocess(batch, out, sampled, token_ids)
+            launched, self._inflight = self._inflight, None
+            if launched is None:  # nothing carried over from the last call: schedule now
+                batch = self.scheduler.schedule()
+                clock.lap("schedule")
+                if batch.empty:
+                    return self._idle()
+                launched = self._launch(batch, clock)  # prepare -> forward -> sample, queued on the device
+            # async scheduling: queue the next step before reading this one back (None: steps run one by one)
+            self._inflight = self._launch_ahead(launched, clock)
+            token_ids, top = self._read_back(launched)  # the step's one wait on the device
+            clock.lap("wait")
+            outputs = self._postprocess(launched, token_ids, top)
             clock.lap("postprocess")
             return outputs
         finally:
             clock.stop()
+
+    def _launch(
+        self, batch: ScheduledBatch, clock: StepClock, input_ids: torch.Tensor | None = None
+    ) -> LaunchedStep:
+        """Queue the batch's forward, sampling and logprobs on the device, and their copy back to the host.
+
+        ``input_ids``: the token ids of a batch scheduled ahead, on the device.
+        """
+        try:
+            prepared, plan = self.runner.prepare(batch, input_ids)
+            clock.lap("prepare")
+            out = self.runner.forward(prepared, plan)
+            clock.lap("forward", sync=True)
+        except EngineDeadError:  # a tensor-parallel worker died mid-step: fail every request
+            self._check_healthy()
+            raise
+        # a step scheduled ahead samples while the last step's token is not appended: one pending each
+        sampled = self._sample(out, pending=1 if batch.ahead else 0)
+        stats, rows = self._logprob_stats(batch, out, sampled)
+        clock.lap("sample", sync=True)
+        return LaunchedStep(batch, out, sampled, rows, HostCopy(sampled, stats))
+
+    def _launch_ahead(self, current: LaunchedStep, clock: StepClock) -> LaunchedStep | None:
+        """Async scheduling: launch the decode step after ``current`` before reading ``current`` back.
+
+        Its sequences are current's that go on (all but those current surely ends or that finished
+        meanwhile), each fed the token current samples for it, gathered on the device. None when async
+        scheduling is off, current is not a plain decode, or the scheduler would make another step.
+        """
+        if not self.async_scheduling or not current.decode_only:
+            return None
+        seqs = current.out.sample_seqs
+        rows = [i for i, s in enumerate(seqs) if not s.is_finished and not self._ends_after_one_more(s)]
+        batch = self.scheduler.schedule_ahead(current.batch, [seqs[i] for i in rows])
+        clock.lap("schedule")
+        if batch.empty:
+            return None
+        ids = current.sampled
+        if len(rows) < len(seqs):
+            ids = ids.index_select(0, to_device(rows, torch.long, ids.device))
+        self.num_launched_ahead += 1
+        return self._launch(batch, clock, ids)
+
+    def _ends_after_one_more(self, seq: Sequence) -> bool:
+        """Whether the token being sampled for ``seq`` (not appended yet) surely ends it (length)."""
+        max_tokens = seq.params.max_tokens
+        by_max_tokens = max_tokens is not None and len(seq.output_token_ids) + 1 >= max_tokens
+        return by_max_tokens or seq.num_tokens + 1 >= self.max_model_len
+
+    def _read_back(self, launched: LaunchedStep) -> tuple[list[int], TopLogprobs | None]:
+        """Wait for this step's results alone (not for a step launched after it): its sampled ids, and
+        the top logprobs of its logprob rows."""
+        ids, stats = launched.readback.wait()
+        top = unpack_logprobs(stats, launched.logprob_rows.ks) if stats is not None else None
+        return (ids.tolist() if ids is not None else []), top
 
     def _idle(self) -> list[RequestOutput]:
         """Nothing runnable: requests wait on adapter loads. Fail those whose reload broke, else wait a bit."""
@@ -228,18 +347,21 @@ class LLMEngine:
             self.lora_manager.wait_for_loads()
         return outs
 
-    def _sample(self, out: RunnerOutput) -> torch.Tensor | None:
-        """The sampled ids (len(sample_seqs),) on the logits' device; None when no sequence samples."""
+    def _sample(self, out: RunnerOutput, pending: int = 0) -> torch.Tensor | None:
+        """The sampled ids (len(sample_seqs),) on the logits' device; None when no sequence samples.
+
+        ``pending``: output tokens each sequence has that are not appended yet (a step scheduled ahead).
+        """
         if not out.sample_seqs:
             return None
         dev = out.sample_logits.device
         params = [s.params for s in out.sample_seqs]
         gens = [s.generator_on(dev) for s in out.sample_seqs]
-        banned = [self._banned_ids(s) for s in out.sample_seqs]
+        banned = [self._banned_ids(s, pending) for s in out.sample_seqs]
         return self.sampler(out.sample_logits, params, gens, banned)
 
-    def _banned_ids(self, seq: Sequence) -> list[int]:
-        if len(seq.output_token_ids) >= seq.params.min_tokens:
+    def _banned_ids(self, seq: Sequence, pending: int = 0) -> list[int]:
+        if len(seq.output_token_ids) + pending >= seq.params.min_tokens:
             return []
         stops = set(seq.params.stop_token_ids)
         if not seq.params.ignore_eos:
@@ -247,60 +369,75 @@ class LLMEngine:
         return sorted(stops)
 
     def _postprocess(
-        self, batch: ScheduledBatch, out: RunnerOutput, sampled: torch.Tensor | None, token_ids: list[int]
+        self, launched: LaunchedStep, token_ids: list[int], top: TopLogprobs | None
     ) -> list[RequestOutput]:
+        """Append the sampled tokens, record logprobs, check stops; the outputs of the requests it touched.
+
+        ``top``: the logprobs of the step's logprob rows (``LogprobRows``), None when it has none.
+        """
+        batch, out = launched.batch, launched.out
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        sample_logprobs, row0 = self._logprobs(batch, out, sampled)
+            if not seq.is_finished:  # finished meanwhile: stopped by the step before (async) or aborted
+                seq.num_computed_tokens += n
+        rows = launched.logprob_rows
+        if rows is not None:
+            self._record_prompt_logprobs(rows, top)
+        row0 = rows.sample_row0 if rows is not None else None
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(out.sample_seqs, token_ids)):
+            if seq.is_finished:  # a token of a step launched ahead, after the sequence stopped: dropped
+                self.num_discarded_tokens += 1
+                continue
             if seq.prompt_logprobs is None and seq.params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None] + [seq.prompt_logprobs_by_pos[p] for p in range(seq.num_prompt_tokens - 1)]
             seq.output_token_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if sample_logprobs is not None and seq.logprobs is not None:
-                seq.logprobs.append(self._logprob_dict(sample_logprobs, row0 + i, tok))
+            if row0 is not None and seq.logprobs is not None:
+                seq.logprobs.append(self._logprob_dict(top, row0 + i, tok))
             self._check_stop(seq, tok)
         touched = {s.request_id for s in batch.seqs}
         return [self._request_output(self.requests[r]) for r in touched if r in self.requests]
 
-    def _logprobs(
+    def _logprob_stats(
         self, batch: ScheduledBatch, out: RunnerOutput, sampled: torch.Tensor | None
-    ) -> tuple[TopLogprobs | None, int]:
-        """Records this step's prompt logprobs; returns the sampled tokens' and their first row.
+    ) -> tuple[torch.Tensor | None, LogprobRows | None]:
+        """This step's prompt logprobs and its sampled tokens' logprobs, as stats on the logits' device.
 
-        (None, 0) when no sampling sequence asked for logprobs.
-        Computed on the logits' device, piece by piece (a prompt's logits can be large); the small
-        results of every piece come to the host in one transfer.
+        (None, None) when nobody asked for any. Computed piece by piece (a prompt's logits can be
+        large); nothing waits for the device, and the small result comes back with the sampled ids.
         """
         prompt = [(s, *out.prompt_logits[s.seq_id]) for s in batch.seqs if s.seq_id in out.prompt_logits]
         want_sample = sampled is not None and any(s.params.logprobs is not None for s in out.sample_seqs)
         if not prompt and not want_sample:
-            return None, 0
+            return None, None
         ks: list[int] = []
         targets: list[list[int]] = []
         for seq, first_pos, logits in prompt:
             targets.append(seq.prompt_token_ids[first_pos + 1 : first_pos + 1 + logits.shape[0]])
             ks += [seq.params.prompt_logprobs] * logits.shape[0]
+        sample_row0 = len(ks) if want_sample else None
         if want_sample:
             ks += [s.params.logprobs or 0 for s in out.sample_seqs]
         kmax = max(ks)
         pieces = []
         if prompt:
             dev = prompt[0][2].device
-            flat = torch.tensor([t for ts in targets for t in ts], dtype=torch.long).to(dev)  # one copy up
+            flat = to_device([t for ts in targets for t in ts], torch.long, dev)  # one copy up
             for (_, _, logits), ids in zip(prompt, flat.split([len(t) for t in targets])):
                 pieces.append(logprob_stats(logits, ids, kmax))
         if want_sample:
             pieces.append(logprob_stats(out.sample_logits, sampled, kmax))
-        top = unpack_logprobs(torch.cat(pieces) if len(pieces) > 1 else pieces[0], ks)  # one copy down
+        stats = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        prompt_rows = [(seq, first_pos, ts) for (seq, first_pos, _), ts in zip(prompt, targets)]
+        return stats, LogprobRows(prompt_rows, ks, sample_row0)
+
+    def _record_prompt_logprobs(self, rows: LogprobRows, top: TopLogprobs) -> None:
         row = 0
-        for (seq, first_pos, _), ts in zip(prompt, targets):
+        for seq, first_pos, ts in rows.prompt:
             for j, t in enumerate(ts):
                 seq.prompt_logprobs_by_pos[first_pos + j] = self._logprob_dict(top, row + j, t)
             row += len(ts)
-        return (top if want_sample else None), row
 
     def _logprob_dict(self, top, i: int, token: int) -> dict[int, Logprob]:
         d = {

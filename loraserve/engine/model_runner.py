@@ -9,6 +9,10 @@ that asked for prompt logprobs.
 parallelism rank 0's ``forward`` hands each step to ``on_step``, which broadcasts it, and every rank
 calls ``execute`` on it (engine/worker.py). The engine calls ``prepare`` and ``forward`` itself, to
 time them apart.
+
+A step scheduled ahead (``ScheduledBatch.ahead``, async scheduling) runs before the previous step's
+tokens are appended: its input ids are that step's samples, still on the device, and it queues its
+work without waiting for the device (host data goes up through pinned memory, engine/transfer.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from loraserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureError
 from loraserve.engine.kv_cache import BlockManager
 from loraserve.engine.scheduler import ScheduledBatch
 from loraserve.engine.sequence import Sequence
+from loraserve.engine.transfer import to_device
 from loraserve.forward_context import AttentionMetadata, forward_context
 from loraserve.layers.attention import Attention
 from loraserve.lora.punica import LoRAMapping
@@ -53,6 +58,8 @@ class PreparedStep:
     logit_rows: list[int]  # hidden rows whose logits are computed
     token_slots: list[int] | None = None  # LoRA slot of each token (-1 = base); None = no adapter in the batch
     logit_slots: list[int] | None = None
+    # a step scheduled ahead: the input ids, on the device (input_ids then holds -1 placeholders)
+    device_input_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -116,7 +123,7 @@ class ModelRunner:
         """(seq_info (B, 3), block_tables (B, max_blocks)) int32 views of one host->device copy."""
         width = max(len(t) for t in block_tables)
         rows = [[qs, n, c] + t + [0] * (width - len(t)) for t, qs, n, c in zip(block_tables, starts, lens, ctx_lens)]
-        packed = torch.tensor(rows, dtype=torch.int32).to(self.device)
+        packed = to_device(rows, torch.int32, self.device)
         return packed[:, :3], packed[:, 3:]
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
@@ -126,8 +133,8 @@ class ModelRunner:
         bs = self.blocks.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def run(self, batch: ScheduledBatch) -> RunnerOutput:
-        return self.forward(*self.prepare(batch))
+    def run(self, batch: ScheduledBatch, device_input_ids: torch.Tensor | None = None) -> RunnerOutput:
+        return self.forward(*self.prepare(batch, device_input_ids))
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep, plan: _OutputPlan) -> RunnerOutput:
@@ -143,8 +150,15 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def prepare(self, batch: ScheduledBatch) -> tuple[PreparedStep, _OutputPlan]:
-        """The batch as plain lists, and how to read its logits. Writes the batch's adapters into slots."""
+    def prepare(
+        self, batch: ScheduledBatch, device_input_ids: torch.Tensor | None = None
+    ) -> tuple[PreparedStep, _OutputPlan]:
+        """The batch as plain lists, and how to read its logits. Writes the batch's adapters into slots.
+
+        A batch scheduled ahead (``batch.ahead``) comes with its input ids on the device
+        (``device_input_ids``, one per sequence): each sequence's token at position ``seq.num_tokens``.
+        """
+        assert batch.ahead == (device_input_ids is not None), "device ids go with a batch scheduled ahead"
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -155,12 +169,12 @@ class ModelRunner:
         out = RunnerOutput()
         prompt_rows: list[tuple[Sequence, int, int, int]] = []  # seq, first row, n rows, first position
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
+            start = seq.num_tokens if batch.ahead else seq.num_computed_tokens
             end = start + n
             starts.append(len(ids))
             lens.append(n)
             ctx_lens.append(end)
-            ids.extend(seq.token_slice(start, end))
+            ids.extend([-1] * n if batch.ahead else seq.token_slice(start, end))
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq, start, end))
             token_lora.extend([seq.lora_int_id] * n)
@@ -172,7 +186,7 @@ class ModelRunner:
                     first_row = starts[-1]
                     logit_rows.extend(range(first_row, first_row + last - start))
                     logit_lora.extend([seq.lora_int_id] * (last - start))
-            if end == seq.num_tokens:  # caught up: this step samples the next token
+            if end == seq.num_tokens or batch.ahead:  # caught up (or ahead): it samples the next token
                 out.sample_seqs.append(seq)
         sample_row0 = len(logit_rows)
         for seq, s, n in zip(batch.seqs, starts, lens):
@@ -190,8 +204,9 @@ class ModelRunner:
                 token_slots, logit_slots = slots
         block_tables = [seq.block_table for seq in batch.seqs]
         step = PreparedStep(
-            ids, positions, slot_mapping, starts, lens, ctx_lens, block_tables, logit_rows, token_slots, logit_slots
-        )
+            ids, positions, slot_mapping, starts, lens, ctx_lens, block_tables, logit_rows, token_slots, logit_slots,
+            device_input_ids,
+        )  # fmt: skip
         return step, _OutputPlan(out, prompt_rows, sample_row0)
 
     @torch.inference_mode()
@@ -214,8 +229,10 @@ class ModelRunner:
                 torch.tensor(self._table_slots(t, 0, c), dtype=torch.long, device=dev)
                 for t, c in zip(step.block_tables, step.context_lens)
             ]
+        # NOTE: every host->device copy here is non-blocking (engine/transfer.py), so an eager step
+        # scheduled ahead does not wait for the step before it (layers may still copy on their own)
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
+            slot_mapping=to_device(step.slot_mapping, torch.long, dev),
             query_starts=step.query_starts,
             query_lens=step.query_lens,
             context_lens=step.context_lens,
@@ -229,9 +246,11 @@ class ModelRunner:
         lora_mapping = None
         if step.token_slots is not None:
             lora_mapping = LoRAMapping.build(step.token_slots, step.logit_slots, dev)
-        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
+        input_ids = step.device_input_ids
+        if input_ids is None:
+            input_ids = to_device(step.input_ids, torch.long, dev)
+        pos = to_device(step.positions, torch.long, dev)
         with forward_context(attn=md, lora=lora_mapping):
             hidden = self.model(input_ids, pos)
-            rows = torch.tensor(step.logit_rows, dtype=torch.long, device=dev)
+            rows = to_device(step.logit_rows, torch.long, dev)
             return self.model.compute_logits(hidden[rows]) if step.logit_rows else None

@@ -1,13 +1,19 @@
 """Cumulative wall time per phase of ``LLMEngine.step()``, for profiling (``engine.step_timings``).
 
 Phases: schedule, prepare (batch lists + adapter slot writes), forward (the model, and under TP
-the broadcast to the workers), sample, postprocess (logprobs, detokenize, stop checks).
+the broadcast to the workers), sample (sampling and logprobs, queued), wait (until the sampled ids
+and logprobs reached the host), postprocess (append tokens, detokenize, stop checks).
 
 Only ``time.perf_counter``: GPU work is asynchronous, so without syncs its time lands in the phase
-that first waits for it (usually sample, which reads the token ids back). With
-``LORASERVE_PROFILE_SYNC=1`` the engine synchronizes the device after forward and after sample, so
-each phase holds its own GPU time (at the cost of those syncs). A step with nothing to run
+that first waits for it: wait, which reads the token ids back. With ``LORASERVE_PROFILE_SYNC=1`` the
+engine synchronizes the device after forward and after sample, so each phase holds its own GPU time
+(at the cost of those syncs, which also undo async scheduling's overlap). A step with nothing to run
 (requests waiting on adapter loads) counts in ``steps`` / ``step_seconds`` and ``schedule`` only.
+
+Under async scheduling a ``step()`` call launches the next step ahead (schedule .. sample) before it
+finishes the current one (wait, postprocess): schedule .. sample count twice in a call that also
+scheduled the current step, and prepare .. sample not at all in one that finishes the step the last
+call launched without launching another. ``wait`` is then the device time the host did not hide.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
+PHASES = ("schedule", "prepare", "forward", "sample", "wait", "postprocess")
 
 
 @dataclass

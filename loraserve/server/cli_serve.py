@@ -54,6 +54,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (one host)")
     g.add_argument("--distributed-timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
     g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs (on by default on the GPU)")
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap each step's host work with the next step on the device (default: on for CUDA)",
+    )
     g = p.add_argument_group("LoRA")
     g.add_argument(
         "--enable-lora",
@@ -137,7 +143,9 @@ def build_engine(args: argparse.Namespace, lora_modules: list[tuple[str, str]]):
         ),
         cache=CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb),
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            async_scheduling=args.async_scheduling,
         ),
         lora=lora,
         parallel=ParallelConfig(

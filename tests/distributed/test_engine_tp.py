@@ -69,6 +69,7 @@ def _run(model, adapters, tp: int, fully_sharded: bool = False) -> dict:
         num_kv_blocks=96,
         tensor_parallel_size=tp,
         fully_sharded_loras=fully_sharded,
+        async_scheduling=True,  # honoured at TP=1 (so TP=2 is also compared with it), off at TP=2
     )
     try:
         reqs = {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(adapters.items())}
@@ -80,9 +81,13 @@ def _run(model, adapters, tp: int, fully_sharded: bool = False) -> dict:
         evicting = [llm.generate(EVICT_PROMPT, MIXED_SP, reqs[a])[0] for a in EVICT_ORDER]
         healthy = llm.engine.is_healthy()
         classes = {type(m).__name__ for m in llm.engine.lora_manager.modules.values()}
+        ran_ahead = llm.engine.num_launched_ahead if llm.engine.async_scheduling else None
     finally:
         llm.shutdown()
-    return {"mixed": mixed, "greedy": greedy, "evicting": evicting, "healthy": healthy, "classes": classes}
+    return {
+        "mixed": mixed, "greedy": greedy, "evicting": evicting, "healthy": healthy, "classes": classes,
+        "ran_ahead": ran_ahead,
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +125,13 @@ def test_mixed_batch_logprobs_equal_tp1(tp1, tp2):
             assert r.keys() == g.keys(), (mode, adapter, i)
             worst = max(abs(r[t] - g[t]) for t in r)
             assert worst <= ATOL, f"{mode} adapter={adapter} row {i}: |dlogprob| {worst:.2e} > {ATOL}"
+
+
+def test_async_scheduling_runs_at_tp1_only(tp1, tp2):
+    """Asked for at both sizes: TP=1 launches steps ahead, TP=2 runs them one by one (its workers
+    would need each step's token ids from rank 0's device)."""
+    assert tp1["ran_ahead"] > 0
+    assert tp2[1]["ran_ahead"] is None
 
 
 def test_adapters_change_the_output(tp1):

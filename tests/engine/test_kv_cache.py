@@ -89,6 +89,31 @@ def test_block_manager_allocate_free_pairs():
     assert sorted(bm._free) == list(range(5))
 
 
+def test_append_slots_holds_position_num_tokens_for_all_or_none():
+    """A step scheduled ahead writes position seq.num_tokens (the token being sampled, not appended):
+    each sequence gets the block for it, all of them or none."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = Sequence(0, "a", 0, list(range(2, 6)), sp())  # 4 tokens: position 4 opens a second block
+    b = Sequence(1, "b", 0, list(range(2, 5)), sp())  # 3 tokens: position 3 is in its first block
+    for q in (a, b):
+        bm.allocate(q, q.num_tokens)
+        q.num_computed_tokens = q.num_tokens - 1  # the running step computes the last token
+    assert bm.num_free_blocks == 2
+    assert bm.can_append_slots([a, b])
+    bm.append_slots([a, b])
+    assert len(a.block_table) == 2 and len(b.block_table) == 1 and bm.num_free_blocks == 1
+    c = Sequence(2, "c", 0, list(range(2, 6)), sp())
+    bm.allocate(c, 4)  # the last free block
+    c.num_computed_tokens = 3
+    a.output_token_ids += [7, 7, 7, 7]  # a needs a third block, c a second: two, with none free
+    assert not bm.can_append_slots([a, c]) and not bm.can_append_slots([a])
+    before = (list(a.block_table), list(c.block_table))
+    with pytest.raises(AssertionError):
+        bm.append_slots([a, c])
+    assert (a.block_table, c.block_table) == before and bm.num_free_blocks == 0  # nothing taken
+    assert bm.can_append_slots([b])  # b's position 3 is in its block already
+
+
 # ---- through the engine --------------------------------------------------------------------------
 def test_all_blocks_back_after_generate(model_dir):
     llm = make_llm(model_dir, block_size=4)
@@ -100,8 +125,15 @@ def test_all_blocks_back_after_generate(model_dir):
     assert not eng.requests and not eng.has_unfinished_requests()
 
 
-def test_block_invariants_hold_every_step_with_preemption(model_dir):
-    llm = make_llm(model_dir, block_size=4, num_kv_blocks=12, max_num_batched_tokens=16)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_block_invariants_hold_every_step_with_preemption(model_dir, async_scheduling):
+    llm = make_llm(
+        model_dir,
+        block_size=4,
+        num_kv_blocks=12,
+        max_num_batched_tokens=16,
+        async_scheduling=async_scheduling,
+    )
     eng = llm.engine
     for i, (n, m) in enumerate([(10, 20), (25, 10), (4, 30), (18, 12), (7, 9), (12, 15)]):
         eng.add_request(f"r{i}", None, sp(m), prompt(n, i))
@@ -112,8 +144,12 @@ def test_block_invariants_hold_every_step_with_preemption(model_dir):
     assert finished == {f"r{i}" for i in range(6)}
 
 
-def test_all_blocks_back_after_aborts_mid_run(model_dir):
-    llm = make_llm(model_dir, block_size=4, num_kv_blocks=20, max_num_seqs=4, max_num_batched_tokens=12)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_all_blocks_back_after_aborts_mid_run(model_dir, async_scheduling):
+    llm = make_llm(
+        model_dir, block_size=4, num_kv_blocks=20, max_num_seqs=4, max_num_batched_tokens=12,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
     eng = llm.engine
     ids = [f"r{i}" for i in range(7)]
     for i, rid in enumerate(ids):
@@ -143,8 +179,9 @@ def test_all_blocks_back_after_aborts_mid_run(model_dir):
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
 
 
-def test_abort_everything_mid_run(model_dir):
-    llm = make_llm(model_dir, block_size=4, num_kv_blocks=16)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_everything_mid_run(model_dir, async_scheduling):
+    llm = make_llm(model_dir, block_size=4, num_kv_blocks=16, async_scheduling=async_scheduling)
     eng = llm.engine
     for i in range(5):
         eng.add_request(str(i), None, sp(30), prompt(6 + i, i))
@@ -241,14 +278,16 @@ def test_request_that_outgrows_the_whole_cache_is_refused_not_hung(small_llm):
     assert_clean(small_llm)
 
 
-def test_a_failing_step_leaves_nothing_behind(tmp_path, monkeypatch):
-    """If a forward raises inside generate(), its requests are aborted and their blocks freed."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failing_step_leaves_nothing_behind(tmp_path, monkeypatch, async_scheduling):
+    """If a forward raises inside generate(), its requests are aborted and their blocks freed (with
+    async scheduling the third forward is a step launched ahead, before the second was read back)."""
     from helpers import make_tiny_model
 
     from loraserve import LLM, SamplingParams
 
     make_tiny_model(tmp_path / "m", "llama")
-    llm = LLM(str(tmp_path / "m"))
+    llm = LLM(str(tmp_path / "m"), async_scheduling=async_scheduling)
     eng = llm.engine
     calls = {"n": 0}
     real = eng.runner.execute

@@ -1,4 +1,5 @@
-"""engine.step_timings: every phase of step() is timed, and the phases add up to the step."""
+"""engine.step_timings: every phase of step() is timed, and the phases add up to the step (with
+async scheduling too, where a call launches one step and finishes another)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,28 @@ def test_phases_are_recorded_and_sum_to_the_step(llm):
     assert d["step"]["count"] == steps and d["forward"]["mean_ms"] == pytest.approx(
         1e3 * t.seconds["forward"] / steps
     )
+
+
+def test_phases_under_async_scheduling(llm):
+    """A call launches the next step ahead (schedule .. sample) and finishes the current one (wait,
+    postprocess): every call finishes one step, and as max_tokens ends every request, no step is left
+    over: one launch (prepare, forward, sample) per call, but more schedules (each try to run ahead)."""
+    eng = llm.engine
+    eng.async_scheduling = True
+    try:
+        eng.step_timings.reset()
+        launched = eng.num_launched_ahead
+        sps = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8 + i]} for i in range(3)], sps)
+    finally:
+        eng.async_scheduling = False
+    t = eng.step_timings
+    assert eng.num_launched_ahead > launched and eng._inflight is None
+    assert t.counts["wait"] == t.counts["postprocess"] == t.steps
+    assert t.counts["prepare"] == t.counts["forward"] == t.counts["sample"] == t.steps
+    assert t.counts["schedule"] > t.steps
+    assert all(t.seconds[p] > 0 for p in PHASES)
+    assert sum(t.seconds.values()) <= t.step_seconds
 
 
 def test_reset_zeroes_everything(llm):
