@@ -303,6 +303,9 @@ class LLMEngine:
         Its sequences are current's that go on (all but those current surely ends or that finished
         meanwhile), each fed the token current samples for it, gathered on the device. None when async
         scheduling is off, current is not a plain decode, or the scheduler would make another step.
+
+        NOTE: its adapters are current's, still in their slots, so preparing it writes no LoRA slot:
+        such a write runs on the manager's copy stream, which does not wait for current.
         """
         if not self.async_scheduling or not current.decode_only:
             return None
