@@ -1,4 +1,5 @@
-"""End to end on the GPU: loraserve (base vs 8 mixed adapters, eager and CUDA graphs) vs HF + PEFT.
+"""End to end on the GPU: loraserve (base vs 8 mixed adapters; eager, CUDA graphs, and CUDA graphs with
+async scheduling, the default) vs HF + PEFT.
 
 Shapes: Llama-3.1-8B and Qwen2.5-0.5B (tied embeddings), bf16, random weights (``load_format=
 "dummy"``; no checkpoint), random prompts. Batch 32 x prompt 128 -> 128 new tokens, greedy, EOS
@@ -116,8 +117,9 @@ def bench_ours(model_dir: Path, adapters: list[Path], prompts, new_tokens: int, 
     mixed = [reqs[i % N_ADAPTERS] for i in range(n)]
     base = [None] * n
     res = {}
-    for mode in ("eager", "graphs"):
-        if mode == "graphs":
+    for mode in ("eager", "graphs_sync", "graphs"):  # graphs: with async scheduling (the default)
+        llm.engine.async_scheduling = mode == "graphs"
+        if mode == "graphs_sync":
             llm.engine.runner.enable_cuda_graphs(n, 512)
         for name, loras in (("base", base), ("mixed", mixed)):
             timed_generate(
@@ -318,7 +320,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         r = results[shape]
-        for mode in ("eager", "graphs"):
+        for mode in ("eager", "graphs_sync", "graphs"):
             b, m = r["ours"][f"{mode}_base"], r["ours"][f"{mode}_mixed"]
             print(
                 f"| {shape} | loraserve | {mode} | {b['tok_s']:.0f} | {m['tok_s']:.0f} | {b['decode_ms']:.2f} | "
