@@ -198,6 +198,9 @@ def bench_hf(cfg, adapters: list[Path], prompts, new_tokens: int) -> dict:
     return res
 
 
+ASYNC: bool | None = None  # --no-async: False; None = the engine's default (on on CUDA)
+
+
 def parity(root: Path) -> dict:
     """Max |Δ logprob| of loraserve vs HF + PEFT, bf16, tiny Llama, 4 adapters + base in one batch."""
     from peft import PeftModel
@@ -228,7 +231,8 @@ def parity(root: Path) -> dict:
     out = {}
     for mode in ("eager", "graphs"):
         llm = LLM(
-            str(d), dtype="bfloat16", enable_lora=True, max_loras=4, max_lora_rank=16, num_kv_blocks=128
+            str(d), dtype="bfloat16", enable_lora=True, max_loras=4, max_lora_rank=16, num_kv_blocks=128,
+            async_scheduling=ASYNC,
         )
         if mode == "graphs":
             llm.engine.runner.enable_cuda_graphs(16, llm.engine.max_model_len)
@@ -272,10 +276,15 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--bf16-loras", action="store_true", help="also run with LoRA weights stored in bf16")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--parity-only", action="store_true")
+    ap.add_argument("--no-async", action="store_true", help="async scheduling off (LLM(async_scheduling=False))")
     ap.add_argument("--decode-tiles", default=None, help="JSON {'N,K': tiles} from bench_decode_linear --tiles-out")
     args = ap.parse_args()
     if args.decode_tiles:
         use_decode_tiles(args.decode_tiles)
+    if args.no_async:
+        global ASYNC
+        ASYNC = False
     import peft
     import transformers
     import triton
@@ -294,6 +303,8 @@ def main() -> None:
             f"parity (tiny Llama, bf16, 4 adapters + base): {results['parity']}  [{time.time() - t0:.0f}s]",
             flush=True,
         )
+        if args.parity_only:
+            return
         for shape in args.shapes.split(","):
             t0 = time.time()
             cfg = hf_config(shape)
