@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraserve.forward_context import AttentionMetadata, get_forward_context
-from loraserve.layers.triton_dispatch import elementwise_kernels
+from loraserve.layers.triton_dispatch import FUSED_ELEMENTWISE, elementwise_kernels
 
 if TYPE_CHECKING:
     from loraserve.layers.rotary import RotaryEmbedding
@@ -135,7 +135,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         assert self.k_cache is not None, "KV cache not bound; the model runner binds it before the first forward"
         assert (positions is None) == (rotary_emb is None), "pass positions and rotary_emb together"
-        if rotary_emb is not None and self._kernel is not None:
+        if rotary_emb is not None and self._kernel is not None and FUSED_ELEMENTWISE:
             cos, sin = rotary_emb.cos_sin(positions, q.dtype)  # (T, rotary_dim) each, shared per forward
             q = elementwise_kernels().rotary_kv_cache(
                 q, k, v, cos, sin, self.k_cache, self.v_cache, md.slot_mapping

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraserve.layers.triton_dispatch import elementwise_kernels, on_triton
+from loraserve.layers.triton_dispatch import FUSED_ELEMENTWISE, elementwise_kernels, on_triton
 
 
 class RMSNorm(nn.Module):
@@ -26,10 +26,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
-            if on_triton(x):  # one launch for the add and the norm (same roundings: triton_elementwise.py)
+            if on_triton(x) and FUSED_ELEMENTWISE:  # one launch for the add and the norm (same roundings)
                 return elementwise_kernels().fused_add_rms_norm(x, residual, self.weight, self.eps)
             h = x + residual
-            return rms_norm_torch(h, self.weight, self.eps), h
+            return self.forward(h), h
         if on_triton(x):  # one launch instead of ~6 (same roundings: triton_elementwise.py)
             return elementwise_kernels().rms_norm(x, self.weight, self.eps)
         return rms_norm_torch(x, self.weight, self.eps)
