@@ -125,7 +125,7 @@ def _epilogue(
     slots_ptr,
     rank_ptr,
     S,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K,
     N0,
     N1,
     stride_bsp,
@@ -208,9 +208,9 @@ def _epilogue(
             # rows of base tokens and columns past each token's rank stay zero (buf is not zeroed there)
             mine = (slot[:, None] == c_j[None, :]) & (c_r[None, :] < rank[:, None]) & m_mask[:, None]
             sx = tl.zeros((BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R), dtype=tl.float32)
-            # NOTE: SPLIT_K is a constexpr: the plane loads unroll and fly together (a runtime loop paid one
-            # L2 round trip per plane: ~11 µs on down_proj, whose shrink splits K 16 ways)
-            for sp in tl.static_range(SPLIT_K):
+            # NOTE: a runtime loop, one L2 round trip per plane (~11 µs on down_proj, whose shrink splits K 16
+            # ways); unrolled, the compiler staged every plane in shared memory: 704 KB, OutOfResources
+            for sp in range(SPLIT_K):
                 sx += tl.load(s_ptrs + sp * stride_bsp, mask=mine, other=0.0)
             sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
             if LORA_IEEE:
@@ -227,7 +227,7 @@ def _epilogue(
 
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
 # of 16 and vectorizes the loads; only M (the token count) is a runtime value.
-@triton.jit(do_not_specialize=["M", "S"])
+@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
 def _decode_linear_kernel(
     x_ptr,
     w_ptr,
@@ -250,7 +250,7 @@ def _decode_linear_kernel(
     slots_ptr,
     rank_ptr,
     S,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K,
     N0,
     N1,
     stride_bsp,

@@ -24,7 +24,7 @@ from loraserve.lora.punica import SegmentMeta
 # NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
 # multiples of 16 and vectorizes the masked loads along the contiguous axis; as runtime ints every
 # masked load there went scalar. Specializing compiles once per divisibility class, not per value.
-@triton.jit(do_not_specialize=["T", "S", "tiles0", "tiles01"])
+@triton.jit(do_not_specialize=["T", "S", "tiles0", "tiles01", "SPLIT_K"])
 def _lora_expand_kernel(
     buf_ptr,
     b0_ptr,
@@ -51,7 +51,7 @@ def _lora_expand_kernel(
     stride_wr,
     stride_ym,
     stride_yn,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K,
     R,
     NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -128,9 +128,10 @@ def _lora_expand_kernel(
     h_ptrs = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
     h_mask = m_mask[:, None] & r_mask[None, :]
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    # NOTE: SPLIT_K is a constexpr so the partial loads unroll and fly together (a runtime loop paid one
-    # L2 round trip per plane, and the shrink splits K up to 28 ways at decode sizes)
-    for sp in tl.static_range(SPLIT_K):
+    # NOTE: a runtime loop, one L2 round trip per plane. Unrolled (SPLIT_K constexpr) the compiler staged
+    # every plane in shared memory: OutOfResources at the Llama-8B shapes on the H200 (decode_linear's
+    # epilogue asked for 704 KB), and the shrink splits K up to 56 ways
+    for sp in range(SPLIT_K):
         h += tl.load(h_ptrs + sp * stride_bsp, mask=h_mask, other=0.0)
     h = h.to(WDT).to(CDT)
 
