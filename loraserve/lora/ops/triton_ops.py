@@ -78,9 +78,11 @@ class TritonLoRAOps:
         in its epilogue, PDL-overlapped), or None where ``decode_linear`` does not apply (too many
         tokens, fp32, slices that are not multiples of its column block): the caller then runs the
         GEMM and ``add_lora_linear``. Same numbers as that path (decode_linear.py's docstring)."""
+        if meta is None or not decode.enabled():
+            return None
         slices = tuple(b.shape[2] for b in lora_b_stacked)
         tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
-        if meta is None or not decode.enabled() or not decode.supports(x, weight, slices, tiles):
+        if not decode.supports(x, weight, slices, tiles):
             return None
         rank_dev = self.ranks_tensor(ranks)
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
