@@ -139,6 +139,8 @@ class PunicaWrapper:
         self.ops = torch_ops  # the reference, also used for what the kernels do not cover (embeddings)
         self.kernels = _select_backend(device)  # chosen once, by device type
         self.backend = "triton" if self.kernels is not None else "torch"
+        # whether linear_with_lora can fuse at all: asked before a layer checks its slots' extras
+        self.fuses_linear = self.kernels is not None and self.kernels.fuses_linear
 
     @staticmethod
     def mapping() -> LoRAMapping | None:
@@ -209,7 +211,7 @@ class PunicaWrapper:
     ) -> torch.Tensor | None:
         """The base GEMM and the LoRA delta in one go where a kernel does both (the GPU at decode sizes);
         None elsewhere: then the caller runs ``F.linear`` and ``apply_lora_linear``."""
-        if self.kernels is None:
+        if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.linear_with_lora(

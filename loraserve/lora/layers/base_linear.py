@@ -155,10 +155,11 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         the GEMM then ``apply_lora``.
         """
         mapping = current_lora_mapping()
-        if mapping is not None and mapping.has_lora and self.tp_size == 1:
+        pw = self.punica_wrapper
+        if pw is not None and pw.fuses_linear and mapping is not None and mapping.has_lora and self.tp_size == 1:
             active = mapping.active_slots
             if not any(self.slot_has_bias[s] or self.slot_has_dora[s] for s in active):
-                y = self.punica_wrapper.linear_with_lora(
+                y = pw.linear_with_lora(
                     x, weight, bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks
                 )
                 if y is not None:

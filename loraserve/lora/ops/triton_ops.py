@@ -22,6 +22,7 @@ from loraserve.lora.punica import SegmentMeta
 class TritonLoRAOps:
     def __init__(self, device: torch.device):
         self.device = device
+        self.fuses_linear = decode.enabled()  # linear_with_lora takes decode_linear (opt-in, read once)
         # id(ranks list) -> (the list, its contents when copied, int32 device copy). Layers keep their
         # ``slot_ranks`` list for life, so the id is stable; holding the list keeps the id unique.
         self._ranks: dict[int, tuple[list[int], tuple[int, ...], torch.Tensor]] = {}
@@ -78,7 +79,7 @@ class TritonLoRAOps:
         in its epilogue, PDL-overlapped), or None where ``decode_linear`` does not apply (too many
         tokens, fp32, slices that are not multiples of its column block): the caller then runs the
         GEMM and ``add_lora_linear``. Same numbers as that path (decode_linear.py's docstring)."""
-        if meta is None or not decode.enabled():
+        if meta is None or not self.fuses_linear:
             return None
         slices = tuple(b.shape[2] for b in lora_b_stacked)
         tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
