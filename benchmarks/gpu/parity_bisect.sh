@@ -10,6 +10,6 @@ export PYTHONPATH=$PWD HF_HUB_OFFLINE=1
 for cfg in "0 1 " "1 1 " "0 1 --no-async" "0 0 " "0 0 --no-async"; do
     read -r dl fe extra <<<"$cfg"
     echo "== LORASERVE_DECODE_LINEAR=$dl LORASERVE_FUSED_ELEMENTWISE=$fe ${extra:-}"
-    LORASERVE_DECODE_LINEAR=$dl LORASERVE_FUSED_ELEMENTWISE=$fe timeout 35 \
+    LORASERVE_DECODE_LINEAR=$dl LORASERVE_FUSED_ELEMENTWISE=$fe timeout 90 \
         python3 benchmarks/gpu/bench_e2e.py --parity-only ${extra:-} 2>&1 | grep "^parity\|Error"
 done
