@@ -3,7 +3,7 @@ epilogue: the LoRA expand, in the same launch as the GEMM.
 
     y = round(x @ W^T + bias) + sum_i B_i[slot(t)] (s_i[t])      (slice i owns columns [off_i, off_i + N_i))
 
-where ``s`` is ``lora_shrink``'s output (split-K partials of x @ A_i[slot(t)]^T, summed here). The base
+where ``s`` is ``lora_shrink``'s output (x @ A_i[slot(t)]^T in fp32, one plane). The base
 layers call it without the epilogue where it beats cuBLAS (``prefer_over_cublas``); the LoRA layers
 call it with the epilogue (lora/ops/triton_ops.py).
 
@@ -209,8 +209,9 @@ def _epilogue(
             # rows of base tokens and columns past each token's rank stay zero (buf is not zeroed there)
             mine = (slot[:, None] == c_j[None, :]) & (c_r[None, :] < rank[:, None]) & m_mask[:, None]
             sx = tl.zeros((BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R), dtype=tl.float32)
-            # NOTE: a runtime loop, one L2 round trip per plane (~11 µs on down_proj, whose shrink splits K 16
-            # ways); unrolled, the compiler staged every plane in shared memory: 704 KB, OutOfResources
+            # NOTE: lora_shrink sums its split-K partials itself and hands over one plane: summing 16 here,
+            # one L2 round trip each per wave of programs, cost ~11 µs on down_proj; unrolled, the
+            # compiler staged every plane in shared memory (704 KB, OutOfResources)
             for sp in range(SPLIT_K):
                 sx += tl.load(s_ptrs + sp * stride_bsp, mask=mine, other=0.0)
             sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is

@@ -90,7 +90,10 @@ class TritonLoRAOps:
         if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank)
-        epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, rank_dev, pdl=use_pdl(x.device))
+        # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no
+        # segment the shrink is not launched and the GEMM must be an ordinary launch
+        pdl = use_pdl(x.device) and meta.num_segs > 0
+        epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, rank_dev, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
 
     def add_lora_embedding(

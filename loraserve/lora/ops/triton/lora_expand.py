@@ -1,7 +1,7 @@
 """LoRA expand on the GPU: y[t, off_i + n] += sum_r buf[t, i, r] * B_i[slot(t), n, r], for 1-3 slices at once.
 
 A program owns one BLOCK_N tile of one slice's outputs x one block of tokens of one segment. It sums
-the shrink's split-K partials while loading them, rounds them to B's dtype (as the torch reference
+the planes of ``buf`` while loading them (``lora_shrink`` gives one), rounds them to B's dtype (as the torch reference
 and PEFT do before the second matmul), multiplies in fp32, and adds into ``y``:
 
 - ``y`` fp32: the accumulator the layer rounds later.
@@ -128,9 +128,8 @@ def _lora_expand_kernel(
     h_ptrs = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
     h_mask = m_mask[:, None] & r_mask[None, :]
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    # NOTE: a runtime loop, one L2 round trip per plane. Unrolled (SPLIT_K constexpr) the compiler staged
-    # every plane in shared memory: OutOfResources at the Llama-8B shapes on the H200 (decode_linear's
-    # epilogue asked for 704 KB), and the shrink splits K up to 56 ways
+    # NOTE: lora_shrink hands over one plane (it sums its split-K partials itself); the loop serves
+    # callers with several, one L2 round trip each
     for sp in range(SPLIT_K):
         h += tl.load(h_ptrs + sp * stride_bsp, mask=h_mask, other=0.0)
     h = h.to(WDT).to(CDT)

@@ -1,12 +1,19 @@
-"""LoRA shrink on the GPU: buf[split, i, t, :r] = x[t] @ A_i[slot(t), :r]^T (partial over a K split).
+"""LoRA shrink on the GPU: buf[0, i, t, :r] = x[t] @ A_i[slot(t), :r]^T, in fp32.
 
 One launch for all 1-3 slices of a layer. Tokens arrive sorted by slot (``SegmentMeta``); a program
 owns (split of K, rank block, slice) x (block of tokens of one segment). The grid's rank axis covers
 max_lora_rank, and a program whose rank block starts at or past its slot's own rank returns at once,
 so work and bytes follow each adapter's rank, not max_lora_rank.
 
-NOTE: split-K partials are written to their own plane of ``buf`` (no atomics), and the expand kernel
-sums them while loading: the result is deterministic and ``buf`` needs no zeroing.
+Split-K (decode sizes have few segments, so K is split to keep the SMs streaming A): every split
+writes its partial to its own plane of ``buf``; the last program of a group to arrive (an atomic
+counter) sums the planes in plane order with one vectorized load per 32 planes and writes the total
+to plane 0. The result is deterministic, needs no zeroing, and the expand (or decode_linear's
+epilogue) reads one plane: summing 8-56 planes there, one L2 round trip each, was most of the
+decode-size LoRA cost on the H200 (BENCHMARKS.md, session 5).
+
+At decode sizes each program's K range is a single block: its tile of A (weights, written before
+the forward) is loaded before the PDL wait, overlapping the previous kernel's tail; x is read after.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype, use_pdl
+from loraserve.lora.ops.triton.utils import arrival_counters, compute_dtype_of, tl_dtype, use_pdl
 from loraserve.lora.punica import SegmentMeta
 
 
@@ -29,6 +36,7 @@ def _lora_shrink_kernel(
     a1_ptr,
     a2_ptr,
     buf_ptr,
+    cnt_ptr,  # int32 (groups,): split arrivals per group, zero between launches (SPLIT_K > 1)
     meta_ptr,  # int32: order (T,), seg_slot (S,), seg_start (S,), seg_len (S,)
     rank_ptr,  # int32 (max_loras,): this layer's rank per slot
     T,
@@ -49,13 +57,12 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    RED: tl.constexpr,  # planes summed per load by a group's last split (power of 2; 1: SPLIT_K == 1)
+    ONE_CHUNK: tl.constexpr,  # k_per_split == BLOCK_K: one tile of A per program, loaded before the wait
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # launched early (PDL): wait for the kernel before (the base GEMM) to finish and flush
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the expand may launch now; it waits for us before reading buf
     pid0 = tl.program_id(0)
     pid_m = tl.program_id(1)
     seg = tl.program_id(2)
@@ -91,29 +98,79 @@ def _lora_shrink_kernel(
     k_begin = split * k_per_split
     x_row = x_ptr + tok[:, None] * stride_xm
     a_base = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, k_per_split, BLOCK_K):
-        kk = k_begin + k + offs_k
+    if ONE_CHUNK:
+        kk = k_begin + offs_k
         k_mask = kk < K
-        xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        if USE_PDL:  # launched early (PDL): x and buf only after the kernel before has finished and flushed
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()  # the expand may launch now; it waits for us before reading buf
+        xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if IEEE:
-            acc += tl.dot(xt.to(CDT), at.to(CDT), input_precision="ieee")
+            acc = tl.dot(xt.to(CDT), at.to(CDT), input_precision="ieee")
         else:
-            acc += tl.dot(xt.to(CDT), at.to(CDT))
-    out = buf_ptr + split * stride_bsp + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
-    tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
+            acc = tl.dot(xt.to(CDT), at.to(CDT))
+    else:
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k in range(0, k_per_split, BLOCK_K):
+            kk = k_begin + k + offs_k
+            k_mask = kk < K
+            xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(xt.to(CDT), at.to(CDT), input_precision="ieee")
+            else:
+                acc += tl.dot(xt.to(CDT), at.to(CDT))
+    out = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]  # plane 0
+    out_mask = m_mask[:, None] & r_mask[None, :]
+    if RED == 1:
+        tl.store(out, acc, mask=out_mask)
+    else:
+        # NOTE: the semaphore pattern of decode_linear's split-K: all threads' stores, a CTA barrier, one
+        # acq_rel atomic at GPU scope; the last arrival reads the planes past L1 (.cg, not coherent across
+        # SMs), in plane order whoever it is, and puts the counter back to zero for the next launch
+        tl.store(out + split * stride_bsp, acc, mask=out_mask)
+        tl.debug_barrier()
+        group = ((sl * NUM_RBLOCKS + rblock) * tl.num_programs(1) + pid_m) * S + seg
+        arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            offs_p = tl.arange(0, RED)
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for p0 in range(0, SPLIT_K, RED):
+                planes = p0 + offs_p
+                parts = tl.load(
+                    out[None, :, :] + planes[:, None, None] * stride_bsp,
+                    mask=(planes < SPLIT_K)[:, None, None] & out_mask[None, :, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )  # (RED, BLOCK_M, BLOCK_R): one load for RED planes, not RED round trips
+                total += tl.sum(parts, axis=0)
+            tl.store(out, total, mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
 
 
 def _pick_blocks(meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_K, SPLIT_K): enough programs to fill the chip at decode sizes."""
+    """(BLOCK_M, BLOCK_K, SPLIT_K): enough programs to fill the chip at decode sizes.
+
+    Decode sizes (segments of <= 32 tokens): one K block per program (ONE_CHUNK), the largest block of
+    128-512 that still gives ~2 programs per SM (132 on the H200). Larger segments: 64 K a step, K
+    split until ~512 programs (at most 4 steps a split is left alone).
+    """
     longest = meta.max_seg_len
     block_m = 16 if longest <= 16 else (32 if longest <= 32 else 64)
-    block_k = 128 if block_m <= 32 else 64
-    programs = n_slices * n_rblocks * triton.cdiv(longest, block_m) * meta.num_segs
+    groups = n_slices * n_rblocks * triton.cdiv(longest, block_m) * meta.num_segs
+    if block_m <= 32:
+        for block_k in (512, 256, 128):
+            if groups * triton.cdiv(K, block_k) >= 256:
+                break
+        return block_m, block_k, triton.cdiv(K, block_k)
+    block_k = 64
     split = 1
     max_split = max(1, K // (4 * block_k))
-    while programs * split < 512 and split < max_split:
+    while groups * split < 512 and split < max_split:
         split *= 2
     return block_m, block_k, split
 
@@ -126,10 +183,10 @@ def lora_shrink(
     max_rank: int,
     block_r: int = 16,
 ) -> torch.Tensor:
-    """x (T, K) with lora_a[i] (S, 1, R, K) -> partial sums buf (SPLIT_K, n_slices, T, R) fp32.
+    """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (1, n_slices, T, R) fp32: x @ A_i[slot]^T.
 
     Only rows of tokens with a slot and columns r < ranks[slot] are written; ``lora_expand`` reads
-    exactly those.
+    exactly those. (The leading axis is the plane axis the expand sums over: always 1 here.)
     """
     n = len(lora_a)
     assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
@@ -155,22 +212,28 @@ def lora_shrink(
     block_m, block_k, split = _pick_blocks(meta, n, n_rblocks, K)
     buf = torch.empty(split, n, T, R, dtype=torch.float32, device=x.device)
     if meta.num_segs == 0 or T == 0:
-        return buf
+        return buf[:1]
     k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     cdt = compute_dtype_of(x.dtype, a0.dtype)
     a1 = lora_a[1] if n > 1 else a0
     a2 = lora_a[2] if n > 2 else a0
     grid = (split * n_rblocks * n, triton.cdiv(meta.max_seg_len, block_m), meta.num_segs)
+    cnt = buf
+    red = 1
+    if split > 1:
+        cnt = arrival_counters(x.device, "lora_shrink", n * n_rblocks * grid[1] * grid[2])
+        # planes per load: up to 32, within ~64 fp32 registers a thread at 4 warps
+        red = min(triton.next_power_of_2(split), max(1, 8192 // (block_m * block_r)), 32)
     pdl = use_pdl(x.device)
     _lora_shrink_kernel[grid](
-        x, a0, a1, a2, buf, meta.packed, ranks,
+        x, a0, a1, a2, buf, cnt, meta.packed, ranks,
         T, meta.num_segs, K, k_per_split,
         x.stride(0), x.stride(1),
         a0.stride(0), a0.stride(2), a0.stride(3),
         buf.stride(0), buf.stride(1), buf.stride(2),
         NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=red, ONE_CHUNK=k_per_split == block_k,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
         USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    return buf
+    return buf[:1]

@@ -44,3 +44,23 @@ def compute_dtype_of(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
     tl_dtype(x_dtype)
     tl_dtype(w_dtype)
     return w_dtype
+
+
+_COUNTERS: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
+
+
+def arrival_counters(device: torch.device, owner: str, n: int) -> torch.Tensor:
+    """int32 zeros (>= n) for one kernel's split-K arrivals, kept for the life of the process.
+
+    The kernel puts each counter back to zero after the last arrival, so one buffer serves every
+    launch of ``owner`` on a stream. One buffer per owner: kernels that can overlap under PDL (the
+    shrink and the GEMM that is its dependent) never share one.
+
+    NOTE: an outgrown buffer is kept, never freed: a CUDA graph captured with it keeps using it at
+    every replay. The first call for a size runs before capture (the graphs' warm-up forward).
+    """
+    pool = _COUNTERS.setdefault((owner, device), [])
+    if not pool or pool[-1].numel() < n:
+        have = pool[-1].numel() if pool else 0
+        pool.append(torch.zeros(max(n, 2 * have, 1024), dtype=torch.int32, device=device))
+    return pool[-1]
