@@ -94,6 +94,7 @@ def kernel_breakdown(llm: LLM, prompts, loras, steps: int = 3) -> dict:
         eng.step()
     eng.runner.graphs = graphs
     out: dict[str, float] = {}
+    top = []
     for ev in prof.key_averages():
         us = getattr(ev, "device_time_total", None)
         if us is None:
@@ -102,7 +103,11 @@ def kernel_breakdown(llm: LLM, prompts, loras, steps: int = 3) -> dict:
             continue
         kind = next((k for k, subs in _KERNEL_KINDS if any(s in ev.key for s in subs)), "other")
         out[kind] = out.get(kind, 0.0) + us / 1e3 / steps
-    return {k: round(v, 3) for k, v in sorted(out.items())}
+        top.append((us / steps, ev.count / steps, ev.key[:60]))
+    res = {k: round(v, 3) for k, v in sorted(out.items())}
+    # the kernels that take most of a step: (µs per step, launches per step, µs per launch, name)
+    res["top"] = [(round(t, 1), round(c, 1), round(t / max(c, 1e-9), 2), name) for t, c, name in sorted(top, reverse=True)[:14]]
+    return res
 
 
 def bench_ours(model_dir: Path, adapters: list[Path], prompts, new_tokens: int, lora_dtype: str = "auto",
