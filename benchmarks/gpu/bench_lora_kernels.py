@@ -240,6 +240,7 @@ def bench_attention(name, q_lens, ctx_lens, heads=32, kv_heads=8, head_dim=128):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--layers-only", action="store_true", help="only the table of Llama-8B's LoRA'd ops at decode")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
@@ -248,16 +249,17 @@ def main() -> None:
     print(
         f"correctness guard (qkv, 64 tokens, bf16 x, fp32 weights): rel err of the delta {check_lora_once():.1e}"
     )
-    rows = []
-    for wdtype in (torch.bfloat16, torch.float32):
-        for case in LORA_CASES:
-            rows.append(bench_lora(*case, wdtype))
+    rows, att = [], []
+    if not args.layers_only:
+        for wdtype in (torch.bfloat16, torch.float32):
+            for case in LORA_CASES:
+                rows.append(bench_lora(*case, wdtype))
+        att = [
+            bench_attention("decode ctx 256", [1] * 32, [256] * 32),
+            bench_attention("decode ctx 1024", [1] * 32, [1024] * 32),
+            bench_attention("prefill 128", [128] * 32, [128] * 32),
+        ]
     layers = [bench_layer(*case, wd) for wd in (torch.float32, torch.bfloat16) for case in LAYER_CASES]
-    att = [
-        bench_attention("decode ctx 256", [1] * 32, [256] * 32),
-        bench_attention("decode ctx 1024", [1] * 32, [1024] * 32),
-        bench_attention("prefill 128", [128] * 32, [128] * 32),
-    ]
     print()
     print(
         "| op | tokens | adapters | LoRA dtype | ours eager call µs | ours GPU (graph) µs | torch ref call µs | vs torch | vLLM µs / ours (call, graph) | MB moved | % copy BW (graph) |"

@@ -25,7 +25,7 @@ from loraserve.lora.punica import LoRAMapping, PunicaWrapper, SegmentMeta  # noq
 
 def sync() -> None:
     if DEV.type == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def skip_interpreted_bf16(*dtypes: torch.dtype) -> None:
@@ -84,7 +84,8 @@ CASES = [
     "case", CASES, ids=lambda c: f"T{c[0]}-S{c[1]}-R{c[2]}-{len(c[4])}sl-{c[5]}-{c[6]}-{c[7]}"
 )
 @pytest.mark.parametrize("seed", [0, 1])
-def test_add_lora_linear_matches_reference(case, seed):
+@pytest.mark.parametrize("shrink_reduces", [False, True], ids=["planes-summed-by-expand", "summed-by-shrink"])
+def test_add_lora_linear_matches_reference(case, seed, shrink_reduces):
     T, S, R, n_in, outs, xdt, wdt, ydt = case
     skip_interpreted_bf16(xdt, wdt)
     g = torch.Generator().manual_seed(seed)
@@ -102,7 +103,9 @@ def test_add_lora_linear_matches_reference(case, seed):
 
     ref = reference(y0, x, As, Bs, mapping.token_segments, ranks)
     y = y0.clone()
-    TritonLoRAOps(DEV).add_lora_linear(y, x, As, Bs, ranks, meta_of(mapping))
+    ops = TritonLoRAOps(DEV)
+    ops.shrink_reduces = shrink_reduces
+    ops.add_lora_linear(y, x, As, Bs, ranks, meta_of(mapping))
     sync()
 
     base = torch.tensor([s < 0 or ranks[s] == 0 for s in slots], device=DEV)

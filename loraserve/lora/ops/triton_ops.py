@@ -10,6 +10,8 @@ alone); it was dropped.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from loraserve.layers import triton_decode_linear as decode
@@ -23,6 +25,10 @@ class TritonLoRAOps:
     def __init__(self, device: torch.device):
         self.device = device
         self.fuses_linear = decode.enabled()  # linear_with_lora takes decode_linear (opt-in, read once)
+        # where the split-K partials of the shrink are summed for the expand kernel: in the expand's loads
+        # (default) or in the shrink (its last split, through an atomic counter); decode_linear's
+        # epilogue always takes them summed. LORASERVE_SHRINK_REDUCE=1 picks the shrink (benchmarks).
+        self.shrink_reduces = os.environ.get("LORASERVE_SHRINK_REDUCE", "0") == "1"
         # id(ranks list) -> (the list, its contents when copied, int32 device copy). Layers keep their
         # ``slot_ranks`` list for life, so the id is stable; holding the list keeps the id unique.
         self._ranks: dict[int, tuple[list[int], tuple[int, ...], torch.Tensor]] = {}
@@ -61,7 +67,7 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return
-        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank)
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces)
         lora_expand(y, buf, lora_b_stacked, meta, rank_dev, exact_fp32=x.dtype == torch.float32)
 
     def linear_with_lora(

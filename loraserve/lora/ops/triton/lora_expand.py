@@ -57,6 +57,7 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    RED: tl.constexpr,  # planes of buf loaded at once
     WDT: tl.constexpr,
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
@@ -128,10 +129,12 @@ def _lora_expand_kernel(
     h_ptrs = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
     h_mask = m_mask[:, None] & r_mask[None, :]
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    # NOTE: lora_shrink hands over one plane (it sums its split-K partials itself); the loop serves
-    # callers with several, one L2 round trip each
-    for sp in range(SPLIT_K):
-        h += tl.load(h_ptrs + sp * stride_bsp, mask=h_mask, other=0.0)
+    # NOTE: RED independent loads issued together, one L2 round trip for up to RED planes, summed in
+    # plane order (the same bits whatever BLOCK_M). One load per plane in a runtime loop was one round
+    # trip each: the shrink splits K 16-56 ways at decode sizes.
+    for p0 in range(0, SPLIT_K, RED):
+        for j in tl.static_range(RED):
+            h += tl.load(h_ptrs + (p0 + j) * stride_bsp, mask=h_mask & (p0 + j < SPLIT_K), other=0.0)
     h = h.to(WDT).to(CDT)
 
     if IEEE:
@@ -200,7 +203,7 @@ def lora_expand(
         buf.stride(0), buf.stride(1), buf.stride(2),
         b0.stride(0), b1.stride(0), b2.stride(0), R, 1,
         y.stride(0), y.stride(1), split, R,
-        NUM_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        NUM_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16),
         WDT=tl_dtype(b0.dtype), CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and exact_fp32,
         USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip

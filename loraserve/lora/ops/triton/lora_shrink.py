@@ -57,7 +57,8 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    RED: tl.constexpr,  # planes summed per load by a group's last split (power of 2; 1: SPLIT_K == 1)
+    RED: tl.constexpr,  # planes a group's last split loads at once (1: no reduction here, see REDUCE)
+    REDUCE: tl.constexpr,  # sum the splits here (the last arrival); else each split keeps its plane
     ONE_CHUNK: tl.constexpr,  # k_per_split == BLOCK_K: one tile of A per program, loaded before the wait
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
@@ -126,8 +127,8 @@ def _lora_shrink_kernel(
                 acc += tl.dot(xt.to(CDT), at.to(CDT))
     out = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]  # plane 0
     out_mask = m_mask[:, None] & r_mask[None, :]
-    if RED == 1:
-        tl.store(out, acc, mask=out_mask)
+    if not REDUCE:
+        tl.store(out + split * stride_bsp, acc, mask=out_mask)
     else:
         # NOTE: the semaphore pattern of decode_linear's split-K: all threads' stores, a CTA barrier, one
         # acq_rel atomic at GPU scope; the last arrival reads the planes past L1 (.cg, not coherent across
@@ -137,17 +138,14 @@ def _lora_shrink_kernel(
         group = ((sl * NUM_RBLOCKS + rblock) * tl.num_programs(1) + pid_m) * S + seg
         arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            offs_p = tl.arange(0, RED)
             total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for p0 in range(0, SPLIT_K, RED):
-                planes = p0 + offs_p
-                parts = tl.load(
-                    out[None, :, :] + planes[:, None, None] * stride_bsp,
-                    mask=(planes < SPLIT_K)[:, None, None] & out_mask[None, :, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )  # (RED, BLOCK_M, BLOCK_R): one load for RED planes, not RED round trips
-                total += tl.sum(parts, axis=0)
+                # RED independent loads issued together (one round trip), summed in plane order: the
+                # same bits whatever the tile shape (a tl.sum's order follows the layout, which does not)
+                for j in tl.static_range(RED):
+                    total += tl.load(
+                        out + (p0 + j) * stride_bsp, mask=out_mask & (p0 + j < SPLIT_K), other=0.0, cache_modifier=".cg"
+                    )
             tl.store(out, total, mask=out_mask)
             tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
 
@@ -155,17 +153,17 @@ def _lora_shrink_kernel(
 def _pick_blocks(meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_K, SPLIT_K): enough programs to fill the chip at decode sizes.
 
-    Decode sizes (segments of <= 32 tokens): one K block per program (ONE_CHUNK), the largest block of
-    128-512 that still gives ~2 programs per SM (132 on the H200). Larger segments: 64 K a step, K
-    split until ~512 programs (at most 4 steps a split is left alone).
+    Decode sizes (segments of <= 32 tokens): one K block of 256 (512 past K = 8192) per program
+    (ONE_CHUNK): 128-450 programs for Llama-8B's layers with 8 adapters. Larger segments: 64 K a
+    step, K split until ~512 programs (at most 4 steps a split is left alone).
     """
     longest = meta.max_seg_len
     block_m = 16 if longest <= 16 else (32 if longest <= 32 else 64)
     groups = n_slices * n_rblocks * triton.cdiv(longest, block_m) * meta.num_segs
     if block_m <= 32:
-        for block_k in (512, 256, 128):
-            if groups * triton.cdiv(K, block_k) >= 256:
-                break
+        # NOTE: from K alone, not from how many adapters the batch has: eager steps and CUDA graphs
+        # (whose static meta has a segment per slot) then split alike and sum the same partials
+        block_k = 256 if K <= 8192 else 512
         return block_m, block_k, triton.cdiv(K, block_k)
     block_k = 64
     split = 1
@@ -182,11 +180,14 @@ def lora_shrink(
     ranks: torch.Tensor,
     max_rank: int,
     block_r: int = 16,
+    reduce: bool = True,
 ) -> torch.Tensor:
-    """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (1, n_slices, T, R) fp32: x @ A_i[slot]^T.
+    """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (P, n_slices, T, R) fp32 whose planes sum to x @ A_i[slot]^T.
 
+    ``reduce``: the kernel sums its split-K partials itself, P = 1 (what decode_linear's epilogue
+    needs); else P = the split and ``lora_expand`` sums the planes while loading them.
     Only rows of tokens with a slot and columns r < ranks[slot] are written; ``lora_expand`` reads
-    exactly those. (The leading axis is the plane axis the expand sums over: always 1 here.)
+    exactly those.
     """
     n = len(lora_a)
     assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
@@ -212,18 +213,16 @@ def lora_shrink(
     block_m, block_k, split = _pick_blocks(meta, n, n_rblocks, K)
     buf = torch.empty(split, n, T, R, dtype=torch.float32, device=x.device)
     if meta.num_segs == 0 or T == 0:
-        return buf[:1]
+        return buf[:1]  # nothing is read
     k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     cdt = compute_dtype_of(x.dtype, a0.dtype)
     a1 = lora_a[1] if n > 1 else a0
     a2 = lora_a[2] if n > 2 else a0
     grid = (split * n_rblocks * n, triton.cdiv(meta.max_seg_len, block_m), meta.num_segs)
+    reduce = reduce and split > 1
     cnt = buf
-    red = 1
-    if split > 1:
+    if reduce:
         cnt = arrival_counters(x.device, "lora_shrink", n * n_rblocks * grid[1] * grid[2])
-        # planes per load: up to 32, within ~64 fp32 registers a thread at 4 warps
-        red = min(triton.next_power_of_2(split), max(1, 8192 // (block_m * block_r)), 32)
     pdl = use_pdl(x.device)
     _lora_shrink_kernel[grid](
         x, a0, a1, a2, buf, cnt, meta.packed, ranks,
@@ -232,8 +231,8 @@ def lora_shrink(
         a0.stride(0), a0.stride(2), a0.stride(3),
         buf.stride(0), buf.stride(1), buf.stride(2),
         NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=red, ONE_CHUNK=k_per_split == block_k,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=k_per_split == block_k,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
         USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    return buf[:1]
+    return buf[:1] if reduce else buf
