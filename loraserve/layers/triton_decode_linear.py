@@ -3,7 +3,7 @@ epilogue: the LoRA expand, in the same launch as the GEMM.
 
     y = round(x @ W^T + bias) + sum_i B_i[slot(t)] (s_i[t])      (slice i owns columns [off_i, off_i + N_i))
 
-where ``s`` is ``lora_shrink``'s output (x @ A_i[slot(t)]^T in fp32, one plane). The base
+where ``s`` is ``lora_shrink``'s output (split-K partials of x @ A_i[slot(t)]^T in fp32, summed here). The base
 layers call it without the epilogue where it beats cuBLAS (``prefer_over_cublas``); the LoRA layers
 call it with the epilogue (lora/ops/triton_ops.py).
 
@@ -142,6 +142,7 @@ def _epilogue(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SLOTS_PER_CHUNK: tl.constexpr,
+    RED: tl.constexpr,
     LORA_WDT: tl.constexpr,
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
@@ -192,7 +193,10 @@ def _epilogue(
         # 3.4 waves: 24 µs, then 14 with this; o, one wave: 7.0, then 5.8; H200, 32 tokens, 8 slots).
         offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
         c_r = offs_c % BLOCK_R
-        s_ptrs = buf_ptr + sl * stride_bi + offs_m[:, None] * stride_bm + c_r[None, :]
+        offs_r = tl.arange(0, BLOCK_R)
+        h_ptrs = buf_ptr + sl * stride_bi + offs_m[:, None] * stride_bm + offs_r[None, :]
+        # rows of base tokens (rank 0) and columns past each token's rank stay zero (buf is not written there)
+        h_mask = m_mask[:, None] & (offs_r[None, :] < rank[:, None])
         delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for chunk in range(0, S, SLOTS_PER_CHUNK):
             c_j = chunk + offs_c // BLOCK_R  # (C,) slot of each column
@@ -205,15 +209,17 @@ def _epilogue(
             if USE_PDL:
                 # launched while the shrink runs (PDL): its partials are read only after it has finished
                 tl.extra.cuda.gdc_wait()
-            # s (BLOCK_M, C): the shrink's split-K partials summed in fp32, each token's own slot only;
-            # rows of base tokens and columns past each token's rank stay zero (buf is not zeroed there)
-            mine = (slot[:, None] == c_j[None, :]) & (c_r[None, :] < rank[:, None]) & m_mask[:, None]
-            sx = tl.zeros((BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R), dtype=tl.float32)
-            # NOTE: lora_shrink sums its split-K partials itself and hands over one plane: summing 16 here,
-            # one L2 round trip each per wave of programs, cost ~11 µs on down_proj; unrolled, the
-            # compiler staged every plane in shared memory (704 KB, OutOfResources)
-            for sp in range(SPLIT_K):
-                sx += tl.load(s_ptrs + sp * stride_bsp, mask=mine, other=0.0)
+            # h (BLOCK_M, BLOCK_R): each token's own s, its split-K planes summed in plane order, RED
+            # independent small loads at a time (one L2 round trip); a runtime loop of one load per
+            # plane cost ~11 µs on down_proj (16 planes), and unrolled loads of whole (BLOCK_M, C) planes
+            # were staged in shared memory (704 KB, OutOfResources)
+            h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for p0 in range(0, SPLIT_K, RED):
+                for j in tl.static_range(RED):
+                    h += tl.load(h_ptrs + (p0 + j) * stride_bsp, mask=h_mask & (p0 + j < SPLIT_K), other=0.0)
+            # s (BLOCK_M, C): h placed in the columns of the token's own slot, zero elsewhere
+            hx = tl.reshape(tl.broadcast_to(h[:, None, :], (BLOCK_M, SLOTS_PER_CHUNK, BLOCK_R)), (BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R))
+            sx = tl.where(slot[:, None] == c_j[None, :], hx, 0.0)
             sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
             if LORA_IEEE:
                 delta += tl.dot(b.to(LORA_CDT), tl.trans(sx), input_precision="ieee")
@@ -270,6 +276,7 @@ def _decode_linear_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SLOTS_PER_CHUNK: tl.constexpr,
+    RED: tl.constexpr,
     SPLIT_W: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
@@ -318,7 +325,7 @@ def _decode_linear_kernel(
         _epilogue(
             acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-            R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK,
+            R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
             LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
     else:
@@ -340,7 +347,7 @@ def _decode_linear_kernel(
             _epilogue(
                 total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
                 rank_ptr, S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-                R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK,
+                R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
                 LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
 
@@ -413,7 +420,7 @@ def decode_linear(
     cdt = compute_dtype_of(x.dtype, weight.dtype)
     lora_args: tuple = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     lora_consts = dict(
-        R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
+        R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
     )
     pdl = False
     if lora is not None:
@@ -443,7 +450,7 @@ def decode_linear(
         # slots per chunk: up to 128 columns of (slot, r) per MMA (at least one slot)
         per_chunk = max(1, min(triton.next_power_of_2(b0.shape[0]), 128 // block_r))
         lora_consts = dict(
-            R=R, NUM_SLICES=n_sl, BLOCK_R=block_r, SLOTS_PER_CHUNK=per_chunk, LORA_WDT=tl_dtype(b0.dtype),
+            R=R, NUM_SLICES=n_sl, BLOCK_R=block_r, SLOTS_PER_CHUNK=per_chunk, RED=min(triton.next_power_of_2(split), 16), LORA_WDT=tl_dtype(b0.dtype),
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl

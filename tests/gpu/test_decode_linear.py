@@ -77,7 +77,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-{len(c[2])}sl-S{c[3]}-R{c[4]}-{c[5]}-{c[6]}")
 @pytest.mark.parametrize("bias", [False, True])
-def test_decode_linear_with_lora_matches_reference(case, bias):
+@pytest.mark.parametrize("shrink_reduces", [False, True], ids=["planes", "one-plane"])
+def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces):
+    """The epilogue sums the shrink's split-K planes itself (the engine's default) or takes them summed."""
     M, K, outs, S, R, xdt, wdt, tiles = case
     skip_interpreted_bf16(xdt)
     skip_interpreted_bf16(wdt)
@@ -98,7 +100,8 @@ def test_decode_linear_with_lora_matches_reference(case, bias):
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
     assert supports(x, w, outs, tiles) == (xdt != torch.float32)
 
-    buf = lora_shrink(x, As, meta, rank_dev, R)
+    buf = lora_shrink(x, As, meta, rank_dev, R, reduce=shrink_reduces)
+    assert (buf.shape[0] == 1) == (shrink_reduces or K <= 256), "the decode shrink splits K in blocks of 256"
     epi = ExpandEpilogue(buf, Bs, mapping.token_slots, rank_dev)
     y = decode_linear(x, w, b, lora=epi, tiles=tiles)
 

@@ -25,9 +25,9 @@ class TritonLoRAOps:
     def __init__(self, device: torch.device):
         self.device = device
         self.fuses_linear = decode.enabled()  # linear_with_lora takes decode_linear (opt-in, read once)
-        # where the split-K partials of the shrink are summed for the expand kernel: in the expand's loads
-        # (default) or in the shrink (its last split, through an atomic counter); decode_linear's
-        # epilogue always takes them summed. LORASERVE_SHRINK_REDUCE=1 picks the shrink (benchmarks).
+        # where the shrink's split-K partials are summed: in the loads of the expand (or of decode_linear's
+        # epilogue), the default, or in the shrink (its last split, through an atomic counter):
+        # LORASERVE_SHRINK_REDUCE=1, for the benchmarks that compare the two
         self.shrink_reduces = os.environ.get("LORASERVE_SHRINK_REDUCE", "0") == "1"
         # id(ranks list) -> (the list, its contents when copied, int32 device copy). Layers keep their
         # ``slot_ranks`` list for life, so the id is stable; holding the list keeps the id unique.
@@ -95,7 +95,7 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
-        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank)
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces)
         # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no
         # segment the shrink is not launched and the GEMM must be an ordinary launch
         pdl = use_pdl(x.device) and meta.num_segs > 0
