@@ -23,6 +23,7 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 from loraserve.layers import triton_decode_linear as dl
+from loraserve.lora.ops import triton_ops
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton_ops import TritonLoRAOps
 from loraserve.lora.punica import LoRAMapping
@@ -126,11 +127,69 @@ def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> 
 
     def fused():
         for w, A, B in zip(case.ws, case.As, case.Bs):
-            buf = lora_shrink(case.x, A, case.meta, rank_dev, R)
-            epi = dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev, pdl=True)
+            buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces)
+            epi = dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev, pdl=ops_pdl(case.x.device))
             dl.decode_linear(case.x, w, lora=epi, tiles=tiles)
 
     return graph_us(unfused, len(case.ws)), graph_us(fused, len(case.ws))
+
+
+def ops_pdl(device) -> bool:
+    return triton_ops.use_pdl(device)
+
+
+MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a time against the default
+    "default": ("PDL, A before the wait, K blocks 256/512, planes summed by the reader", {}),
+    "no PDL": ("every LoRA kernel an ordinary launch", {"pdl": False}),
+    "no A prefetch": ("the shrink waits first, then loads A and x", {"prefetch": False}),
+    "K blocks 512/1024": ("half the split planes", {"block_k": (512, 1024)}),
+    "K blocks 128/256": ("twice the split planes", {"block_k": (128, 256)}),
+    "shrink sums": ("the shrink's last split sums the planes (atomic counter)", {"shrink_reduces": True}),
+}
+
+
+def matrix(layers: int) -> list[dict]:
+    """LoRA cost per Llama-8B op at 32 tokens (fp32 adapters, 8 mixed), unfused and fused, per knob."""
+    from loraserve.lora.ops.triton import lora_expand as expand_mod
+    from loraserve.lora.ops.triton import lora_shrink as shrink_mod
+
+    rows = []
+    base = {}
+    for name, K, slices in SHAPES["llama-8b"][:4]:
+        case = Case(K, slices, 32, layers)
+        tiles = dl.default_tiles(32, case.N, K, torch.bfloat16)
+        base[name] = bench_base(case, tiles)
+        del case
+    saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K)
+    for cfg, (what, knobs) in MATRIX.items():
+        if knobs.get("pdl") is False:
+            shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = lambda device: False
+        shrink_mod.PREFETCH_A = knobs.get("prefetch", True)
+        shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
+        ops = TritonLoRAOps(DEV)
+        ops.shrink_reduces = knobs.get("shrink_reduces", False)
+        for name, K, slices in SHAPES["llama-8b"][:4]:
+            lc = Case(K, slices, 32, layers, lora_dtype=torch.float32)
+            tiles = dl.default_tiles(32, lc.N, K, torch.bfloat16)
+            t_unf, t_fus = bench_lora(lc, ops, tiles)
+            err = check(lc, ops, tiles)
+            t_cublas, t_ours = base[name]
+            rows.append(dict(cfg=cfg, what=what, op=name, cublas_us=t_cublas, ours_us=t_ours, unfused_us=t_unf,
+                             fused_us=t_fus, cost_unfused=t_unf - t_cublas, cost_fused=t_fus - t_ours, err=err))  # fmt: skip
+            print(f"| {cfg} | {name} | {t_cublas:.1f} | {t_unf:.1f} | {t_unf - t_cublas:.1f} | {t_ours:.1f} | "
+                  f"{t_fus:.1f} | {t_fus - t_ours:.1f} | {err:.1e} |", flush=True)  # fmt: skip
+            del lc
+        shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
+        shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K = saved[3], saved[4]
+    sums = {}
+    for r in rows:
+        s = sums.setdefault(r["cfg"], [0.0, 0.0])
+        s[0] += r["cost_unfused"]
+        s[1] += r["cost_fused"]
+    print("\n| knob | what | LoRA cost per layer, unfused µs | fused µs |\n|---|---|---:|---:|")
+    for cfg, (u, f) in sums.items():
+        print(f"| {cfg} | {MATRIX[cfg][0]} | {u:.1f} | {f:.1f} |")
+    return rows
 
 
 def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
@@ -186,9 +245,18 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiles-out", default=None, help="write the sweep's best tiles per (N, K) (for bench_e2e --decode-tiles)")
     ap.add_argument("--tables", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--matrix", action="store_true", help="only the LoRA cost per op under each knob of MATRIX")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if args.matrix:
+        print("| knob | op | cuBLAS µs | unfused µs | LoRA cost | decode_linear µs | fused µs | LoRA cost | fused rel err |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        result = {"copy_bw": bw, "matrix": matrix(args.layers)}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     shapes = [(m, *s) for m in args.models.split(",") for s in SHAPES[m]]
     result = {"copy_bw": bw}
     if args.tune:  # the Llama-8B shapes only: the small model's are launch-bound whatever the tiles

@@ -150,6 +150,11 @@ def _lora_shrink_kernel(
             tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
 
 
+# Tuning knobs (module attributes, so that benchmarks/gpu/bench_decode_linear.py --matrix can sweep them):
+DECODE_BLOCK_K = (256, 512)  # the decode K block for K <= 8192 and beyond
+PREFETCH_A = True  # at decode sizes, load the tile of A before the PDL wait
+
+
 def _pick_blocks(meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_K, SPLIT_K): enough programs to fill the chip at decode sizes.
 
@@ -163,7 +168,7 @@ def _pick_blocks(meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int) -> tu
     if block_m <= 32:
         # NOTE: from K alone, not from how many adapters the batch has: eager steps and CUDA graphs
         # (whose static meta has a segment per slot) then split alike and sum the same partials
-        block_k = 256 if K <= 8192 else 512
+        block_k = DECODE_BLOCK_K[0] if K <= 8192 else DECODE_BLOCK_K[1]
         return block_m, block_k, triton.cdiv(K, block_k)
     block_k = 64
     split = 1
@@ -231,7 +236,7 @@ def lora_shrink(
         a0.stride(0), a0.stride(2), a0.stride(3),
         buf.stride(0), buf.stride(1), buf.stride(2),
         NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=k_per_split == block_k,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
         USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
