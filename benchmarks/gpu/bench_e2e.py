@@ -155,8 +155,10 @@ def bench_ours(model_dir: Path, adapters: list[Path], prompts, new_tokens: int, 
                 )
         res["kernels_ms_per_step_base"] = kernel_breakdown(llm, prompts, base)
         res["kernels_ms_per_step_mixed"] = kernel_breakdown(llm, prompts, mixed)
-    same = sum(a == b for a, b in zip(res["eager_mixed"]["ids"], res["graphs_mixed"]["ids"]))
-    res["graphs_vs_eager_same_seqs"] = f"{same}/{n}"
+    for name in ("base", "mixed"):  # greedy ids, graphs (async) and graphs_sync vs eager
+        for mode in ("graphs_sync", "graphs"):
+            same = sum(a == b for a, b in zip(res[f"eager_{name}"]["ids"], res[f"{mode}_{name}"]["ids"]))
+            res[f"{mode}_vs_eager_same_seqs_{name}"] = f"{same}/{n}"
     for v in res.values():
         if isinstance(v, dict):
             v.pop("ids", None)
@@ -358,6 +360,7 @@ def main() -> None:
         o = results[shape]["ours"]
         print(f"{shape}: GPU time of one decode step (graph replay) ms: "
               + ", ".join(f"{k[len('graph_replay_ms_'):]} {v:.2f}" for k, v in o.items() if k.startswith("graph_replay_ms_")))  # fmt: skip
+        print(f"{shape}: greedy ids equal to eager: " + ", ".join(f"{k}: {v}" for k, v in o.items() if "same_seqs" in k))
         for k in ("kernels_ms_per_step_base", "kernels_ms_per_step_mixed"):
             if k in o:
                 print(f"{shape}: {k}: {o[k]}")
