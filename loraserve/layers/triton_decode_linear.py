@@ -35,9 +35,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
 
+PREFETCH_LORA = True  # load the epilogue's slots, ranks and B before the K loop (one chunk of slots)
+_PREFETCH_TOO_BIG: set[tuple] = set()  # launch configs where that ran out of shared memory
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 
 
@@ -110,9 +113,77 @@ def prefer_over_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _lora_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1,
+                NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(slice, its B, B's slot stride, first column within the slice) of this program's column block
+    (block_n divides every slice, so one slice per program)."""
+    # NOTE: `pid_n * 0 + c`: every branch of a runtime `if` must give a variable the same type
+    col0 = pid_n * BLOCK_N
+    if NUM_SLICES == 1:
+        sl = pid_n * 0
+        b_ptr = b0_ptr
+        stride_ws = stride_ws0
+        n_loc0 = col0
+    else:
+        if col0 < N0:
+            sl = pid_n * 0
+            b_ptr = b0_ptr
+            stride_ws = stride_ws0
+            n_loc0 = col0
+        elif col0 < N0 + N1:
+            sl = pid_n * 0 + 1
+            b_ptr = b1_ptr
+            stride_ws = stride_ws1
+            n_loc0 = col0 - N0
+        else:
+            sl = pid_n * 0 + 2
+            b_ptr = b2_ptr
+            stride_ws = stride_ws2
+            n_loc0 = col0 - N0 - N1
+    return sl, b_ptr, stride_ws, n_loc0
+
+
+@triton.jit
+def _lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr):  # fmt: skip
+    """(BLOCK_N, C) B of slots chunk .. chunk + SLOTS_PER_CHUNK for this program's columns: column c is
+    slot chunk + c // BLOCK_R, rank index c % BLOCK_R."""
+    offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
+    c_r = offs_c % BLOCK_R
+    c_j = chunk + offs_c // BLOCK_R
+    loc_n = n_loc0 + tl.arange(0, BLOCK_N)
+    # B's columns past a slot's rank are read unmasked along r (they multiply zeros in s)
+    return tl.load(
+        b_ptr + c_j[None, :] * stride_ws + loc_n[:, None] * R + c_r[None, :],
+        mask=((c_r < R) & (c_j < S))[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _expand_chunk(delta, b, h, slot, chunk, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                  SLOTS_PER_CHUNK: tl.constexpr, LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr,
+                  LORA_IEEE: tl.constexpr):  # fmt: skip
+    """delta (BLOCK_N, BLOCK_M) += B_chunk s^T, s (BLOCK_M, C) = each token's h in its own slot's columns."""
+    offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
+    c_j = chunk + offs_c // BLOCK_R
+    hx = tl.reshape(tl.broadcast_to(h[:, None, :], (BLOCK_M, SLOTS_PER_CHUNK, BLOCK_R)), (BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R))
+    sx = tl.where(slot[:, None] == c_j[None, :], hx, 0.0)
+    sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
+    if LORA_IEEE:
+        delta += tl.dot(b.to(LORA_CDT), tl.trans(sx), input_precision="ieee")
+    else:
+        delta += tl.dot(b.to(LORA_CDT), tl.trans(sx))
+    return delta
+
+
+@triton.jit
 def _epilogue(
     acc,
     pid_n,
+    slot_pre,  # PRE: (BLOCK_M,) slots, (BLOCK_M,) ranks and the (BLOCK_N, C) B loaded before the K loop
+    rank_pre,
+    b_pre,
     bias_ptr,
     y_ptr,
     M,
@@ -147,6 +218,7 @@ def _epilogue(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PRE: tl.constexpr,
 ):
     """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,53 +231,29 @@ def _epilogue(
     y = acc.to(out_dt)  # (BLOCK_N, BLOCK_M): the base output, rounded as cuBLAS's would be
 
     if HAS_LORA:
-        # which slice owns this column block (block_n divides every slice, so one slice per program)
-        # NOTE: `pid_n * 0 + c`: every branch of a runtime `if` must give a variable the same type
-        col0 = pid_n * BLOCK_N
-        if NUM_SLICES == 1:
-            sl = pid_n * 0
-            b_ptr = b0_ptr
-            stride_ws = stride_ws0
-            n_loc0 = col0
+        sl, b_ptr, stride_ws, n_loc0 = _lora_slice(
+            pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N
+        )
+        if PRE:
+            slot = slot_pre
+            rank = rank_pre
         else:
-            if col0 < N0:
-                sl = pid_n * 0
-                b_ptr = b0_ptr
-                stride_ws = stride_ws0
-                n_loc0 = col0
-            elif col0 < N0 + N1:
-                sl = pid_n * 0 + 1
-                b_ptr = b1_ptr
-                stride_ws = stride_ws1
-                n_loc0 = col0 - N0
-            else:
-                sl = pid_n * 0 + 2
-                b_ptr = b2_ptr
-                stride_ws = stride_ws2
-                n_loc0 = col0 - N0 - N1
-        slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)  # (BLOCK_M,)
-        rank = tl.load(rank_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)  # (BLOCK_M,)
-        loc_n = n_loc0 + tl.arange(0, BLOCK_N)
-        # Columns c of a chunk: slot j = chunk * SLOTS_PER_CHUNK + c // BLOCK_R, rank index r = c % BLOCK_R.
+            slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)  # (BLOCK_M,)
+            rank = tl.load(rank_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)  # (BLOCK_M,)
         # NOTE: the whole chunk of slots is ONE load of B and ONE MMA: s is expanded to (tokens, slots x r)
         # with zeros outside each token's own slot, so each token meets only its own B. A loop of one
         # small MMA per slot paid a DRAM round trip per slot in every wave of programs (LoRA cost of gate_up,
         # 3.4 waves: 24 µs, then 14 with this; o, one wave: 7.0, then 5.8; H200, 32 tokens, 8 slots).
-        offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
-        c_r = offs_c % BLOCK_R
         offs_r = tl.arange(0, BLOCK_R)
         h_ptrs = buf_ptr + sl * stride_bi + offs_m[:, None] * stride_bm + offs_r[None, :]
         # rows of base tokens (rank 0) and columns past each token's rank stay zero (buf is not written there)
         h_mask = m_mask[:, None] & (offs_r[None, :] < rank[:, None])
         delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for chunk in range(0, S, SLOTS_PER_CHUNK):
-            c_j = chunk + offs_c // BLOCK_R  # (C,) slot of each column
-            # B's columns past a slot's rank are read unmasked along r (they multiply zeros in s)
-            b = tl.load(
-                b_ptr + c_j[None, :] * stride_ws + loc_n[:, None] * R + c_r[None, :],
-                mask=((c_r < R) & (c_j < S))[None, :],
-                other=0.0,
-            )  # (BLOCK_N, C)
+            if PRE:  # one chunk (S <= SLOTS_PER_CHUNK), its B loaded before the K loop
+                b = b_pre
+            else:
+                b = _lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
             if USE_PDL:
                 # launched while the shrink runs (PDL): its partials are read only after it has finished
                 tl.extra.cuda.gdc_wait()
@@ -217,14 +265,7 @@ def _epilogue(
             for p0 in range(0, SPLIT_K, RED):
                 for j in tl.static_range(RED):
                     h += tl.load(h_ptrs + (p0 + j) * stride_bsp, mask=h_mask & (p0 + j < SPLIT_K), other=0.0)
-            # s (BLOCK_M, C): h placed in the columns of the token's own slot, zero elsewhere
-            hx = tl.reshape(tl.broadcast_to(h[:, None, :], (BLOCK_M, SLOTS_PER_CHUNK, BLOCK_R)), (BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R))
-            sx = tl.where(slot[:, None] == c_j[None, :], hx, 0.0)
-            sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
-            if LORA_IEEE:
-                delta += tl.dot(b.to(LORA_CDT), tl.trans(sx), input_precision="ieee")
-            else:
-                delta += tl.dot(b.to(LORA_CDT), tl.trans(sx))
+            delta = _expand_chunk(delta, b, h, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
         y = (y.to(tl.float32) + delta).to(out_dt)
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -286,6 +327,7 @@ def _decode_linear_kernel(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PRE: tl.constexpr,  # HAS_LORA with one chunk of slots: slots, ranks and B loaded before the K loop
 ):
     pid = tl.program_id(0)
     if SPLIT_W == 1:
@@ -302,6 +344,20 @@ def _decode_linear_kernel(
     m_mask = offs_m < M
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    if PRE:
+        # NOTE: none of these is written by the shrink (they are the step's mapping and the adapters'
+        # weights), so they are read before the PDL wait; issued here, their DRAM latency hides behind
+        # the K loop instead of being paid after it, once per wave of programs
+        slot_pre = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)
+        rank_pre = tl.load(rank_ptr + tl.maximum(slot_pre, 0), mask=slot_pre >= 0, other=0)
+        _, b_ptr0, stride_ws_0, n_loc0 = _lora_slice(
+            pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N
+        )
+        b_pre = _lora_b_chunk(b_ptr0, stride_ws_0, n_loc0, 0, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
+    else:
+        slot_pre = offs_m  # unused placeholders
+        rank_pre = offs_m
+        b_pre = offs_m
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
@@ -323,10 +379,10 @@ def _decode_linear_kernel(
 
     if SPLIT_W == 1:
         _epilogue(
-            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr,
+            acc, pid_n, slot_pre, rank_pre, b_pre, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, PRE,
         )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
@@ -345,10 +401,10 @@ def _decode_linear_kernel(
                 total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             _epilogue(
-                total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
+                total, pid_n, slot_pre, rank_pre, b_pre, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
                 rank_ptr, S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, PRE,
             )  # fmt: skip
 
 
@@ -461,15 +517,31 @@ def decode_linear(
     ws, cnt = (x, x)
     if split > 1:
         ws, cnt = _workspace(x.device, split * n_blocks * tiles.block_n * block_m, n_blocks)
-    _decode_linear_kernel[(n_blocks * split,)](
-        x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
-        x.stride(0), weight.stride(0), y.stride(0),
-        *lora_args,
-        HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
-        EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
-        CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
-        USE_PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
-        **lora_consts,
-    )  # fmt: skip
+    pre = lora is not None and PREFETCH_LORA and lora.lora_b[0].shape[0] <= lora_consts["SLOTS_PER_CHUNK"]
+    key = (N, K, tiles, block_m, lora_consts["LORA_WDT"], lora_consts["NUM_SLICES"], bias is not None)
+    pre = pre and key not in _PREFETCH_TOO_BIG
+
+    def launch(pre: bool) -> None:
+        _decode_linear_kernel[(n_blocks * split,)](
+            x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
+            x.stride(0), weight.stride(0), y.stride(0),
+            *lora_args,
+            HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
+            BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
+            EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
+            CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
+            USE_PDL=pdl, PRE=pre, num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
+            **lora_consts,
+        )  # fmt: skip
+
+    try:
+        launch(pre)
+    except OutOfResources:
+        # NOTE: B held in registers across the K loop can push a large tile config past the SM's shared
+        # memory; that config then loads B after the loop (found at the first launch, which the CUDA
+        # graphs' warm-up forward makes before any capture)
+        if not pre:
+            raise
+        _PREFETCH_TOO_BIG.add(key)
+        launch(False)
     return y

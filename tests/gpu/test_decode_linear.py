@@ -67,6 +67,7 @@ CASES = [
     (24, 256, (256, 128), 12, 16, torch.float16, torch.float32, DecodeTiles(64, 128, 4, 2)),
     (9, 128, (128,), 5, 64, torch.float16, torch.float16, DecodeTiles(32, 64, 4, 2)),
     (1, 128, (64, 64, 64), 2, 16, torch.float16, torch.float32, DecodeTiles(32, 64, 4, 2)),
+    (9, 256, (128, 64), 12, 16, torch.float16, torch.float32, DecodeTiles(64, 128, 4, 2)),  # 2 chunks of slots
     # split-K: serial reduction over 2-4 programs per column block (uneven and empty splits too)
     (32, 512, (512, 128, 128), 8, 16, torch.float16, torch.float32, DecodeTiles(64, 128, 4, 2, split_k=2)),
     (7, 320, (192,), 5, 16, torch.float16, torch.float32, DecodeTiles(64, 128, 4, 2, split_k=3)),
@@ -78,8 +79,13 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-{len(c[2])}sl-S{c[3]}-R{c[4]}-{c[5]}-{c[6]}")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shrink_reduces", [False, True], ids=["planes", "one-plane"])
-def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces):
-    """The epilogue sums the shrink's split-K planes itself (the engine's default) or takes them summed."""
+@pytest.mark.parametrize("prefetch", [True, False], ids=["B-before-K-loop", "B-after"])
+def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces, prefetch, monkeypatch):
+    """The epilogue sums the shrink's split-K planes itself (the engine's default) or takes them summed;
+    it loads B before the K loop (one chunk of slots) or after it, chunk by chunk."""
+    from loraserve.layers import triton_decode_linear
+
+    monkeypatch.setattr(triton_decode_linear, "PREFETCH_LORA", prefetch)
     M, K, outs, S, R, xdt, wdt, tiles = case
     skip_interpreted_bf16(xdt)
     skip_interpreted_bf16(wdt)
