@@ -145,6 +145,7 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "K blocks 512/1024": ("half the split planes", {"block_k": (512, 1024)}),
     "K blocks 128/256": ("twice the split planes", {"block_k": (128, 256)}),
     "shrink sums": ("the shrink's last split sums the planes (atomic counter)", {"shrink_reduces": True}),
+    "B after K loop": ("decode_linear's epilogue loads slots, ranks and B after its K loop", {"prefetch_b": False}),
 }
 
 
@@ -166,6 +167,7 @@ def matrix(layers: int) -> list[dict]:
             shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = lambda device: False
         shrink_mod.PREFETCH_A = knobs.get("prefetch", True)
         shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
+        dl.PREFETCH_LORA = knobs.get("prefetch_b", True)
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", False)
         for name, K, slices in SHAPES["llama-8b"][:4]:
@@ -181,6 +183,7 @@ def matrix(layers: int) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K = saved[3], saved[4]
+        dl.PREFETCH_LORA = True
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])
