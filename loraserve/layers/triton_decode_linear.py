@@ -93,15 +93,16 @@ def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
 
 @functools.cache
 def enabled() -> bool:
-    """Whether the engine takes this kernel at all (LORASERVE_DECODE_LINEAR=1; off by default).
+    """Whether the engine takes this kernel at all (on by default; LORASERVE_DECODE_LINEAR=0 turns it off).
 
-    NOTE: off by default: faster per op on the H200 (see ``default_tiles``), but the engine's bf16
-    logprobs drifted from HF + PEFT (0.05 eager / 0.35 graphs on the tiny parity model, against 0.0098
-    before) in the device call that ran it alongside the fused elementwise kernels and async
-    scheduling, and no device time was left to find which part; until then the engine serves the
-    measured-correct cuBLAS + shrink + expand path. The kernel's own tests pass on the GPU.
+    NOTE: off during session 4: the engine's bf16 logprobs had drifted from HF + PEFT in a device call
+    that ran it with other new paths at once. Session 5's bisect (benchmarks/gpu/parity_bisect.sh)
+    measured 0.0087 max |Δ logprob| with and without it, eager and graphs, the same as every other
+    configuration. Between the two runs the unrolled split-plane loads were reverted and a race was
+    fixed (the fused GEMM was a PDL dependent even when the shrink had launched nothing, and then read
+    x unsynchronized); which of them the drift came from was not isolated.
     """
-    return os.environ.get("LORASERVE_DECODE_LINEAR", "0") == "1"
+    return os.environ.get("LORASERVE_DECODE_LINEAR", "1") != "0"
 
 
 def prefer_over_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:

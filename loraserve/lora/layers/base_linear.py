@@ -149,10 +149,9 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear(x, weight, bias) + the per-token LoRA delta (``apply_lora``'s numbers).
 
-        With ``LORASERVE_DECODE_LINEAR=1``, at decode sizes on the GPU the delta rides in the GEMM's
-        epilogue (the shrink and one GEMM launch instead of a GEMM, a shrink and an expand;
-        layers/triton_decode_linear.py says why it is off by default); otherwise, and everywhere else,
-        the GEMM then ``apply_lora``.
+        At decode sizes on the GPU the delta rides in the GEMM's epilogue (the shrink and one GEMM
+        launch instead of a GEMM, a shrink and an expand; ``LORASERVE_DECODE_LINEAR=0`` turns it off);
+        otherwise, and everywhere else, the GEMM then ``apply_lora``.
         """
         mapping = current_lora_mapping()
         pw = self.punica_wrapper
