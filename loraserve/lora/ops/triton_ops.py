@@ -24,7 +24,7 @@ from loraserve.lora.punica import SegmentMeta
 class TritonLoRAOps:
     def __init__(self, device: torch.device):
         self.device = device
-        self.fuses_linear = decode.enabled()  # linear_with_lora takes decode_linear (opt-in, read once)
+        self.fuses_linear = decode.enabled()  # linear_with_lora takes decode_linear (on by default, read once)
         # where the shrink's split-K partials are summed: in the loads of the expand (or of decode_linear's
         # epilogue), the default, or in the shrink (its last split, through an atomic counter):
         # LORASERVE_SHRINK_REDUCE=1, for the benchmarks that compare the two

@@ -7,10 +7,11 @@ so work and bytes follow each adapter's rank, not max_lora_rank.
 
 Split-K (decode sizes have few segments, so K is split to keep the SMs streaming A): every split
 writes its partial to its own plane of ``buf``; the last program of a group to arrive (an atomic
-counter) sums the planes in plane order with one vectorized load per 32 planes and writes the total
-to plane 0. The result is deterministic, needs no zeroing, and the expand (or decode_linear's
-epilogue) reads one plane: summing 8-56 planes there, one L2 round trip each, was most of the
-decode-size LoRA cost on the H200 (BENCHMARKS.md, session 5).
+counter) sums the planes in plane order, up to 16 independent loads at a time, and writes the total
+to plane 0 (``reduce=True``, LORASERVE_SHRINK_REDUCE=1); or (the engine's default) each split keeps
+its plane and the reader (the expand, or decode_linear's epilogue) sums them the same way while
+loading. Either is deterministic and needs no zeroing. Summing 8-56 planes one L2 round trip at a
+time, as the reader did before, was a large part of the decode-size LoRA cost on the H200.
 
 At decode sizes each program's K range is a single block: its tile of A (weights, written before
 the forward) is loaded before the PDL wait, overlapping the previous kernel's tail; x is read after.
@@ -78,6 +79,11 @@ def _lora_shrink_kernel(
     r0 = rblock * BLOCK_R
     m0 = pid_m * BLOCK_M
     if (r0 >= rank) | (m0 >= seg_len):
+        if USE_PDL:
+            # NOTE: a program that exits counts as having triggered its PDL dependents, and the fused GEMM
+            # reads x before its own wait, trusting that every shrink program waited first: so wait
+            # here too (a batch of base tokens only, under a CUDA graph, exits every program)
+            tl.extra.cuda.gdc_wait()
         return
 
     if NUM_SLICES == 1:
