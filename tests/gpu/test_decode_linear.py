@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.gpu.triton_device import triton_device
+from tests.gpu.triton_device import skip_interpreted_bf16, triton_device
 
 DEV = triton_device()
 
@@ -25,12 +25,6 @@ from loraserve.layers.triton_decode_linear import (  # noqa: E402
 from loraserve.lora.ops import torch_ops  # noqa: E402
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink  # noqa: E402
 from loraserve.lora.punica import LoRAMapping, SegmentMeta  # noqa: E402
-
-
-def skip_interpreted_bf16(dtype: torch.dtype) -> None:
-    # NOTE: the Triton interpreter's tl.dot on bf16 returns garbage (numpy has no bf16); CUDA runs these
-    if DEV.type == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("bf16 dots need CUDA (the Triton interpreter computes them wrong)")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -87,8 +81,7 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces, p
 
     monkeypatch.setattr(triton_decode_linear, "PREFETCH_LORA", prefetch)
     M, K, outs, S, R, xdt, wdt, tiles = case
-    skip_interpreted_bf16(xdt)
-    skip_interpreted_bf16(wdt)
+    skip_interpreted_bf16(xdt, wdt)
     g = torch.Generator().manual_seed(M * 7 + K)
     N = sum(outs)
     ranks = torch.randint(1, R + 1, (S,), generator=g).tolist()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.triton_device import triton_device
+from tests.gpu.triton_device import skip_interpreted_bf16, triton_device
 
 DEV = triton_device()
 
@@ -26,12 +26,6 @@ from loraserve.lora.punica import LoRAMapping, PunicaWrapper, SegmentMeta  # noq
 def sync() -> None:
     if DEV.type == "cuda":
         torch.cuda.synchronize()
-
-
-def skip_interpreted_bf16(*dtypes: torch.dtype) -> None:
-    # NOTE: the Triton interpreter's tl.dot on bf16 returns garbage (numpy has no bf16); CUDA runs these
-    if DEV.type == "cpu" and torch.bfloat16 in dtypes:
-        pytest.skip("bf16 dots need CUDA (the Triton interpreter computes them wrong)")
 
 
 def stacked(g, max_loras, rank, n_in, n_out, ranks, dtype):
