@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
+from loraserve.lora.ops.triton.utils import compute_dtype_of, persistent_buffer, tl_dtype
 
 PREFETCH_LORA = True  # load the epilogue's slots, ranks and B before the K loop (one chunk of slots)
 _PREFETCH_TOO_BIG: set[tuple] = set()  # launch configs where that ran out of shared memory
@@ -409,29 +409,6 @@ def _decode_linear_kernel(
             )  # fmt: skip
 
 
-_WORKSPACES: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-
-def _workspace(device: torch.device, elems: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 partials of >= elems, int32 counters of >= blocks, all zero) shared by split-K launches.
-
-    NOTE: a buffer that is outgrown is kept, never freed: a CUDA graph captured with it keeps writing
-    it at every replay. The counters are zero between launches (the last arrival resets its own), so
-    one pair serves every launch on the stream; concurrent launches on two streams would need two.
-    """
-    pool = _WORKSPACES.setdefault(device, [])
-    if not pool or pool[-1][0].numel() < elems or pool[-1][1].numel() < blocks:
-        have_e = pool[-1][0].numel() if pool else 0
-        have_b = pool[-1][1].numel() if pool else 0
-        pool.append(
-            (
-                torch.empty(max(elems, 2 * have_e), dtype=torch.float32, device=device),
-                torch.zeros(max(blocks, 2 * have_b), dtype=torch.int32, device=device),
-            )
-        )
-    return pool[-1]
-
-
 def _block_m(M: int) -> int:
     return 16 if M <= 16 else 32
 
@@ -517,7 +494,8 @@ def decode_linear(
     k_per_split = triton.cdiv(triton.cdiv(K, split), tiles.block_k) * tiles.block_k
     ws, cnt = (x, x)
     if split > 1:
-        ws, cnt = _workspace(x.device, split * n_blocks * tiles.block_n * block_m, n_blocks)
+        ws = persistent_buffer(x.device, "decode_linear/partials", split * n_blocks * tiles.block_n * block_m, torch.float32)
+        cnt = persistent_buffer(x.device, "decode_linear/arrivals", n_blocks)
     pre = lora is not None and PREFETCH_LORA and lora.lora_b[0].shape[0] <= lora_consts["SLOTS_PER_CHUNK"]
     key = (N, K, tiles, block_m, lora_consts["LORA_WDT"], lora_consts["NUM_SLICES"], bias is not None)
     pre = pre and key not in _PREFETCH_TOO_BIG

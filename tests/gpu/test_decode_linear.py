@@ -141,7 +141,7 @@ def test_decode_linear_base_matches_torch(M, dtype):
 
 @pytest.mark.parametrize("split", [2, 3])
 def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(split):
-    from loraserve.layers import triton_decode_linear as dl
+    from loraserve.lora.ops.triton import utils as triton_utils
 
     g = torch.Generator().manual_seed(split)
     x = torch.randn(12, 384, generator=g).to(DEV, torch.float16)
@@ -150,8 +150,8 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(split):
     ys = [decode_linear(x, w, tiles=tiles) for _ in range(3)]
     assert all(torch.equal(ys[0], y) for y in ys[1:])
     assert rel_err(ys[0], F.linear(x.float(), w.float())) < 1e-2
-    for _, counters in dl._WORKSPACES[x.device]:
-        assert int(counters.abs().sum()) == 0
+    pool = triton_utils._PERSISTENT[("decode_linear/arrivals", x.device, torch.int32)]
+    assert pool and all(int(counters.abs().sum()) == 0 for counters in pool)
 
 
 def test_supports_refuses_what_it_cannot_do():

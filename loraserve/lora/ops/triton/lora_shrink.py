@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import arrival_counters, compute_dtype_of, tl_dtype, use_pdl
+from loraserve.lora.ops.triton.utils import compute_dtype_of, persistent_buffer, tl_dtype, use_pdl
 from loraserve.lora.punica import SegmentMeta
 
 
@@ -237,7 +237,7 @@ def lora_shrink(
     reduce = reduce and split > 1
     cnt = buf
     if reduce:
-        cnt = arrival_counters(x.device, "lora_shrink", n * n_rblocks * grid[1] * grid[2])
+        cnt = persistent_buffer(x.device, "lora_shrink/arrivals", n * n_rblocks * grid[1] * grid[2])
     pdl = use_pdl(x.device)
     _lora_shrink_kernel[grid](
         x, a0, a1, a2, buf, cnt, meta.packed, ranks,

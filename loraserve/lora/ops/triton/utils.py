@@ -46,21 +46,23 @@ def compute_dtype_of(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
     return w_dtype
 
 
-_COUNTERS: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
+_PERSISTENT: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
 
-def arrival_counters(device: torch.device, owner: str, n: int) -> torch.Tensor:
-    """int32 zeros (>= n) for one kernel's split-K arrivals, kept for the life of the process.
+def persistent_buffer(device: torch.device, owner: str, n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A buffer of >= n elements (zeros when allocated) kept for the life of the process, one per owner.
 
-    The kernel puts each counter back to zero after the last arrival, so one buffer serves every
-    launch of ``owner`` on a stream. One buffer per owner: kernels that can overlap under PDL (the
-    shrink and the GEMM that is its dependent) never share one.
+    For split-K kernels: ``owner`` names a kernel and a use ("lora_shrink/arrivals",
+    "decode_linear/partials"). Arrival counters must be zero between launches: the kernels put each
+    one back to zero after its last arrival, so one buffer serves every launch of its owner on a
+    stream. Kernels that can overlap under PDL (the shrink and the GEMM that is its dependent) never
+    share an owner.
 
     NOTE: an outgrown buffer is kept, never freed: a CUDA graph captured with it keeps using it at
     every replay. The first call for a size runs before capture (the graphs' warm-up forward).
     """
-    pool = _COUNTERS.setdefault((owner, device), [])
+    pool = _PERSISTENT.setdefault((owner, device, dtype), [])
     if not pool or pool[-1].numel() < n:
         have = pool[-1].numel() if pool else 0
-        pool.append(torch.zeros(max(n, 2 * have, 1024), dtype=torch.int32, device=device))
+        pool.append(torch.zeros(max(n, 2 * have, 1024), dtype=dtype, device=device))
     return pool[-1]
