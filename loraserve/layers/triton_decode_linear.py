@@ -259,9 +259,8 @@ def _epilogue(
                 # launched while the shrink runs (PDL): its partials are read only after it has finished
                 tl.extra.cuda.gdc_wait()
             # h (BLOCK_M, BLOCK_R): each token's own s, its split-K planes summed in plane order, RED
-            # independent small loads at a time (one L2 round trip); a runtime loop of one load per
-            # plane cost ~11 µs on down_proj (16 planes), and unrolled loads of whole (BLOCK_M, C) planes
-            # were staged in shared memory (704 KB, OutOfResources)
+            # independent small loads at a time (one L2 round trip, not one per plane); unrolled loads of
+            # whole (BLOCK_M, C) planes were staged in shared memory (704 KB, OutOfResources)
             h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for p0 in range(0, SPLIT_K, RED):
                 for j in tl.static_range(RED):

@@ -10,8 +10,9 @@ writes its partial to its own plane of ``buf``; the last program of a group to a
 counter) sums the planes in plane order, up to 16 independent loads at a time, and writes the total
 to plane 0 (``reduce=True``, LORASERVE_SHRINK_REDUCE=1); or (the engine's default) each split keeps
 its plane and the reader (the expand, or decode_linear's epilogue) sums them the same way while
-loading. Either is deterministic and needs no zeroing. Summing 8-56 planes one L2 round trip at a
-time, as the reader did before, was a large part of the decode-size LoRA cost on the H200.
+loading. Either is deterministic and needs no zeroing. (The reader used to sum 8-56 planes one L2
+round trip at a time; loading them together did not move the Llama-8B decode step's GPU time on the
+H200 (6.30 vs 6.31 ms with 8 adapters, BENCHMARKS.md session 5), so that loop was not the bottleneck.)
 
 At decode sizes each program's K range is a single block: its tile of A (weights, written before
 the forward) is loaded before the PDL wait, overlapping the previous kernel's tail; x is read after.
