@@ -134,6 +134,25 @@ def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> 
     return graph_us(unfused, len(case.ws)), graph_us(fused, len(case.ws))
 
 
+def bench_parts(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
+    """(shrink + plain GEMM µs, GEMM with the epilogue on a precomputed buf µs) per op: which half of the
+    fused op's LoRA cost is the shrink launch and which the epilogue."""
+    rank_dev = ops.ranks_tensor(case.ranks)
+    R = case.As[0][0].shape[2]
+    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, R) for A in case.As]
+
+    def shrink_then_gemm():
+        for w, A in zip(case.ws, case.As):
+            lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces)
+            dl.decode_linear(case.x, w, tiles=tiles)
+
+    def epilogue_only():
+        for w, B, buf in zip(case.ws, case.Bs, bufs):
+            dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev), tiles=tiles)
+
+    return graph_us(shrink_then_gemm, len(case.ws)), graph_us(epilogue_only, len(case.ws))
+
+
 def ops_pdl(device) -> bool:
     return triton_ops.use_pdl(device)
 
@@ -146,7 +165,9 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "K blocks 128/256": ("twice the split planes", {"block_k": (128, 256)}),
     "shrink sums": ("the shrink's last split sums the planes (atomic counter)", {"shrink_reduces": True}),
     "B after K loop": ("decode_linear's epilogue loads slots, ranks and B after its K loop", {"prefetch_b": False}),
+    "bf16 LoRA": ("A and B stored in bf16 (the model's dtype), not fp32", {"lora_dtype": torch.bfloat16}),
 }
+PARTS = ("default", "bf16 LoRA")  # configs whose cost is also split into shrink and epilogue
 
 
 def matrix(layers: int) -> list[dict]:
@@ -171,11 +192,15 @@ def matrix(layers: int) -> list[dict]:
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", False)
         for name, K, slices in SHAPES["llama-8b"][:4]:
-            lc = Case(K, slices, 32, layers, lora_dtype=torch.float32)
+            lc = Case(K, slices, 32, layers, lora_dtype=knobs.get("lora_dtype", torch.float32))
             tiles = dl.default_tiles(32, lc.N, K, torch.bfloat16)
             t_unf, t_fus = bench_lora(lc, ops, tiles)
             err = check(lc, ops, tiles)
             t_cublas, t_ours = base[name]
+            if cfg in PARTS:
+                t_sh, t_epi = bench_parts(lc, ops, tiles)
+                print(f"| {cfg} parts | {name} | shrink + plain GEMM costs {t_sh - t_ours:.1f} µs | "
+                      f"epilogue on a ready buf costs {t_epi - t_ours:.1f} µs | fused {t_fus - t_ours:.1f} µs |", flush=True)  # fmt: skip
             rows.append(dict(cfg=cfg, what=what, op=name, cublas_us=t_cublas, ours_us=t_ours, unfused_us=t_unf,
                              fused_us=t_fus, cost_unfused=t_unf - t_cublas, cost_fused=t_fus - t_ours, err=err))  # fmt: skip
             print(f"| {cfg} | {name} | {t_cublas:.1f} | {t_unf:.1f} | {t_unf - t_cublas:.1f} | {t_ours:.1f} | "
