@@ -127,11 +127,18 @@ def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> 
 
     def fused():
         for w, A, B in zip(case.ws, case.As, case.Bs):
-            buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces)
-            epi = dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev, pdl=ops_pdl(case.x.device))
-            dl.decode_linear(case.x, w, lora=epi, tiles=tiles)
+            dl.decode_linear(case.x, w, lora=epilogue(case, ops, A, B, rank_dev, R), tiles=tiles)
 
     return graph_us(unfused, len(case.ws)), graph_us(fused, len(case.ws))
+
+
+def epilogue(case: Case, ops: TritonLoRAOps, A, B, rank_dev, R: int) -> dl.ExpandEpilogue:
+    """The engine's fused LoRA op: the shrink inside decode_linear's launch, or (LORASERVE_FUSE_SHRINK=0
+    or the matrix's "two launches" rows) a shrink launch first, PDL-overlapped."""
+    if dl.fuses_shrink():
+        return dl.ExpandEpilogue(None, B, case.mapping.token_slots, rank_dev, lora_a=A, meta=case.meta)
+    buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces)
+    return dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev, pdl=ops_pdl(case.x.device))
 
 
 def bench_parts(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
@@ -158,16 +165,15 @@ def ops_pdl(device) -> bool:
 
 
 MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a time against the default
-    "default": ("PDL, A before the wait, K blocks 256/512, planes summed by the reader", {}),
-    "no PDL": ("every LoRA kernel an ordinary launch", {"pdl": False}),
-    "no A prefetch": ("the shrink waits first, then loads A and x", {"prefetch": False}),
-    "K blocks 512/1024": ("half the split planes", {"block_k": (512, 1024)}),
-    "K blocks 128/256": ("twice the split planes", {"block_k": (128, 256)}),
-    "shrink sums": ("the shrink's last split sums the planes (atomic counter)", {"shrink_reduces": True}),
-    "B after K loop": ("decode_linear's epilogue loads slots, ranks and B after its K loop", {"prefetch_b": False}),
+    "default": ("the shrink inside decode_linear's launch, units of up to 8 K steps", {}),
+    "units of 2 K steps": ("more, smaller shrink units (more duty programs each)", {"ksteps": 2}),
+    "two launches": ("a lora_shrink launch, then the GEMM (PDL), planes summed by the reader", {"fuse": False}),
+    "two launches, shrink sums": ("the same, the shrink's last split sums the planes", {"fuse": False, "shrink_reduces": True}),
+    "two launches, no PDL": ("the same, both ordinary launches", {"fuse": False, "pdl": False}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype), not fp32", {"lora_dtype": torch.bfloat16}),
+    "bf16 LoRA, two launches": ("bf16 A and B, a shrink launch first", {"lora_dtype": torch.bfloat16, "fuse": False}),
 }
-PARTS = ("default", "bf16 LoRA")  # configs whose cost is also split into shrink and epilogue
+PARTS = ("two launches", "bf16 LoRA, two launches")  # configs whose cost is also split into shrink and epilogue
 
 
 def matrix(layers: int) -> list[dict]:
@@ -182,13 +188,13 @@ def matrix(layers: int) -> list[dict]:
         tiles = dl.default_tiles(32, case.N, K, torch.bfloat16)
         base[name] = bench_base(case, tiles)
         del case
-    saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K)
+    saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, dl.fuses_shrink, dl.SHRINK_MAX_KSTEPS)
     for cfg, (what, knobs) in MATRIX.items():
         if knobs.get("pdl") is False:
             shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = lambda device: False
-        shrink_mod.PREFETCH_A = knobs.get("prefetch", True)
-        shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
-        dl.PREFETCH_LORA = knobs.get("prefetch_b", True)
+        fuse = knobs.get("fuse", True)
+        dl.fuses_shrink = lambda fuse=fuse: fuse
+        dl.SHRINK_MAX_KSTEPS = knobs.get("ksteps", saved[4])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", False)
         for name, K, slices in SHAPES["llama-8b"][:4]:
@@ -207,8 +213,8 @@ def matrix(layers: int) -> list[dict]:
                   f"{t_fus:.1f} | {t_fus - t_ours:.1f} | {err:.1e} |", flush=True)  # fmt: skip
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
-        shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K = saved[3], saved[4]
-        dl.PREFETCH_LORA = True
+        dl.fuses_shrink, dl.SHRINK_MAX_KSTEPS = saved[3], saved[4]
+    print(f"programs that computed their shrink planes themselves (fallback): {dl.shrink_fallbacks(DEV)}")
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])
@@ -226,8 +232,7 @@ def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
     w, A, B = case.ws[0], case.As[0], case.Bs[0]
     ref = F.linear(case.x, w)
     ops.add_lora_linear(ref, case.x, A, B, case.ranks, case.meta)
-    buf = lora_shrink(case.x, A, case.meta, rank_dev, A[0].shape[2])
-    y = dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev), tiles=tiles)
+    y = dl.decode_linear(case.x, w, lora=epilogue(case, ops, A, B, rank_dev, A[0].shape[2]), tiles=tiles)
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 

@@ -81,8 +81,9 @@ class TritonLoRAOps:
         meta: SegmentMeta,
         token_slots: torch.Tensor,
     ) -> torch.Tensor | None:
-        """x W^T + b + the per-token LoRA delta as two launches (shrink, then the GEMM with the expand
-        in its epilogue, PDL-overlapped), or None where ``decode_linear`` does not apply (too many
+        """x W^T + b + the per-token LoRA delta in one launch (``decode_linear`` computes the shrink and the
+        expand around its GEMM; LORASERVE_FUSE_SHRINK=0: two launches, the shrink then the GEMM with the
+        expand in its epilogue, PDL-overlapped), or None where ``decode_linear`` does not apply (too many
         tokens, fp32, slices that are not multiples of its column block): the caller then runs the
         GEMM and ``add_lora_linear``. Same numbers as that path (decode_linear.py's docstring)."""
         if meta is None or not self.fuses_linear:
@@ -95,6 +96,11 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
+        if decode.fuses_shrink():
+            epilogue = decode.ExpandEpilogue(
+                None, lora_b_stacked, token_slots, rank_dev, lora_a=lora_a_stacked, meta=meta
+            )
+            return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces)
         # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no
         # segment the shrink is not launched and the GEMM must be an ordinary launch
