@@ -236,12 +236,12 @@ def parity(root: Path) -> dict:
         hf.load_adapter(str(adapters[i]), adapter_name=f"a{i}")
     hf.eval()
     out = {}
-    for mode in ("eager", "graphs"):
+    for mode in ("eager", "graphs", "graphs, bf16 LoRA weights"):
         llm = LLM(
             str(d), dtype="bfloat16", enable_lora=True, max_loras=4, max_lora_rank=16, num_kv_blocks=128,
-            async_scheduling=ASYNC,
+            async_scheduling=ASYNC, lora_dtype="bfloat16" if "bf16" in mode else "auto",
         )
-        if mode == "graphs":
+        if mode.startswith("graphs"):
             llm.engine.runner.enable_cuda_graphs(16, llm.engine.max_model_len)
         reqs = [None if a is None else LoRARequest(f"a{a}", a + 1, str(adapters[a])) for a in names]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, lora_request=reqs)
