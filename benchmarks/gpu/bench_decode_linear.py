@@ -165,15 +165,14 @@ def ops_pdl(device) -> bool:
 
 
 MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a time against the default
-    "default": ("the shrink inside decode_linear's launch, units of up to 8 K steps", {}),
-    "units of 2 K steps": ("more, smaller shrink units (more duty programs each)", {"ksteps": 2}),
-    "two launches": ("a lora_shrink launch, then the GEMM (PDL), planes summed by the reader", {"fuse": False}),
-    "two launches, shrink sums": ("the same, the shrink's last split sums the planes", {"fuse": False, "shrink_reduces": True}),
-    "two launches, no PDL": ("the same, both ordinary launches", {"fuse": False, "pdl": False}),
-    "bf16 LoRA": ("A and B stored in bf16 (the model's dtype), not fp32", {"lora_dtype": torch.bfloat16}),
-    "bf16 LoRA, two launches": ("bf16 A and B, a shrink launch first", {"lora_dtype": torch.bfloat16, "fuse": False}),
+    "default": ("a lora_shrink launch that sums its splits, then the GEMM (PDL)", {"fuse": False, "shrink_reduces": True}),
+    "reader sums": ("the same, decode_linear's epilogue sums the split planes", {"fuse": False, "shrink_reduces": False}),
+    "in-launch shrink": ("the shrink inside decode_linear's launch (LORASERVE_FUSE_SHRINK=1)", {"fuse": True}),
+    "no PDL": ("two ordinary launches", {"fuse": False, "pdl": False, "shrink_reduces": True}),
+    "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16, "fuse": False, "shrink_reduces": True}),
+    "bf16 LoRA, in-launch": ("bf16 A and B, the shrink inside the launch", {"lora_dtype": torch.bfloat16, "fuse": True}),
 }
-PARTS = ("two launches", "bf16 LoRA, two launches")  # configs whose cost is also split into shrink and epilogue
+PARTS = ("default", "bf16 LoRA")  # configs whose cost is also split into shrink and epilogue
 
 
 def matrix(layers: int) -> list[dict]:

@@ -1,5 +1,5 @@
 """A linear layer at decode sizes (<= 32 tokens) on the GPU, with an optional per-token low-rank
-epilogue: the whole LoRA op (shrink and expand) in the same launch as the GEMM.
+epilogue: the LoRA expand (optionally the shrink too) in the same launch as the GEMM.
 
     y = round(x @ W^T + bias) + sum_i B_i[slot(t)] (s_i[t]),   s_i[t] = x[t] @ A_i[slot(t)]^T
                                                     (slice i owns columns [off_i, off_i + N_i))
@@ -10,13 +10,15 @@ layers call it with the epilogue (lora/ops/triton_ops.py).
 Why: at decode sizes a LoRA'd op was three launches (cuBLAS GEMM, shrink, expand), and the two LoRA
 kernels cost ~10-15 µs per op on the H200 whatever they moved: launch and latency, not bytes. Here the
 expand rides on the GEMM that already streams W: each program, after its K loop over its BLOCK_N rows
-of W, adds the delta of those columns. The shrink rides on it too (``ExpandEpilogue.lora_a``): its
-units (slice x segment of tokens of one slot x chunk of K) are spread over the first programs (at most
-one per SM), which compute them before their own K loop and publish them with an atomic counter; every
-program waits on that counter only after its K loop, long after the units are done. Session 6 measured
-the separate shrink launch at 4-6 µs of each op's LoRA cost even under programmatic dependent launch.
-The two-launch form (``lora_shrink``, then this with ``buf``; the GEMM a PDL dependent that waits
-with ``gdc_wait`` before reading the partials) stays for comparison (LORASERVE_FUSE_SHRINK=0).
+of W, adds the delta of those columns. The shrink is a launch of its own before it (``lora_shrink``,
+then this with ``buf``): under programmatic dependent launch (Hopper) the GEMM starts while the
+shrink runs, streams W, and waits (``gdc_wait``) only before reading the shrink's partials.
+
+Or the shrink rides on this launch too (``ExpandEpilogue.lora_a``, LORASERVE_FUSE_SHRINK=1): its units
+(slice x segment of tokens of one slot x chunk of K) are spread over the first programs (at most one
+per SM), which compute them before their own K loop and publish them with an atomic counter; every
+program waits on that counter only after its K loop. It removes the shrink's launch but measured
+slower (``fuses_shrink`` has the numbers), so it is not the default.
 
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
@@ -86,9 +88,16 @@ class ExpandEpilogue:
 
 @functools.cache
 def fuses_shrink() -> bool:
-    """Whether the LoRA layers compute the shrink inside decode_linear's launch (on by default;
-    LORASERVE_FUSE_SHRINK=0: a ``lora_shrink`` launch before it, PDL-overlapped)."""
-    return os.environ.get("LORASERVE_FUSE_SHRINK", "1") != "0"
+    """Whether the LoRA layers compute the shrink inside decode_linear's launch (LORASERVE_FUSE_SHRINK=1)
+    instead of a ``lora_shrink`` launch before it, PDL-overlapped (the default).
+
+    NOTE: off because it measured slower (H200, Llama-8B, 32 tokens, 8 fp32 adapters, CUDA graphs; LoRA
+    cost per layer 42.0 µs vs 31.2 for the two launches with the shrink summing its splits; the decode
+    step 6.34 ms either way): the duty programs load their units of A before their K loop, which
+    delays the first wave's stream of W by the unit's latency, while the shrink launch's A loads
+    overlap the previous kernel's tail. Kept, tested, for a warp-specialized GEMM that could overlap
+    the two."""
+    return os.environ.get("LORASERVE_FUSE_SHRINK", "0") == "1"
 
 
 @functools.cache
@@ -192,6 +201,17 @@ def _lora_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws
 
 
 @triton.jit
+def _slice_of(pid_n, N0, N1, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The slice (0-2) whose columns this program's block lies in."""
+    col0 = pid_n * BLOCK_N
+    if NUM_SLICES == 1:
+        sl = pid_n * 0
+    else:
+        sl = (col0 >= N0).to(tl.int32) + (col0 >= N0 + N1).to(tl.int32)
+    return sl
+
+
+@triton.jit
 def _lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr):  # fmt: skip
     """(BLOCK_N, C) B of slots chunk .. chunk + SLOTS_PER_CHUNK for this program's columns: column c is
@@ -263,6 +283,7 @@ def _epilogue(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PAST_L1: tl.constexpr,
 ):
     """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored.
 
@@ -298,14 +319,17 @@ def _epilogue(
                 tl.extra.cuda.gdc_wait()
             # h (BLOCK_M, BLOCK_R): each token's own s, its split-K planes summed in plane order, RED
             # independent small loads at a time (one L2 round trip, not one per plane); unrolled loads of
-            # whole (BLOCK_M, C) planes were staged in shared memory (704 KB, OutOfResources). Past L1
+            # whole (BLOCK_M, C) planes were staged in shared memory (704 KB, OutOfResources). PAST_L1
             # (.cg): with the shrink inside this launch, other SMs wrote the planes during it.
             h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for p0 in range(0, SPLIT_K, RED):
                 for j in tl.static_range(RED):
-                    h += tl.load(
-                        h_ptrs + (p0 + j) * stride_bsp, mask=h_mask & (p0 + j < SPLIT_K), other=0.0, cache_modifier=".cg"
-                    )
+                    hp = h_ptrs + (p0 + j) * stride_bsp
+                    hm = h_mask & (p0 + j < SPLIT_K)
+                    if PAST_L1:
+                        h += tl.load(hp, mask=hm, other=0.0, cache_modifier=".cg")
+                    else:
+                        h += tl.load(hp, mask=hm, other=0.0)
             delta = _expand_chunk(delta, b, h, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
         y = (y.to(tl.float32) + delta).to(out_dt)
 
@@ -510,8 +534,18 @@ def _decode_linear_kernel(
         x_ptrs += BLOCK_K
 
     if SPLIT_W == 1:
-        finish = pid_n >= 0
-        total = acc
+        if SHRINK:
+            _await_shrink(
+                sync_ptr, N_DUTY, SPIN_LIMIT, _slice_of(pid_n, N0, N1, NUM_SLICES, BLOCK_N), x_ptr, a0_ptr, a1_ptr,
+                a2_ptr, buf_ptr, meta_ptr, rank_ptr, M, NSEG, K, stride_xm, stride_as, stride_ar, stride_bsp, stride_bi,
+                stride_bm, S, KCH, NUM_SLICES, BLOCK_M, BLOCK_KS, KSTEPS, BLOCK_R, SCDT, SIEEE,
+            )  # fmt: skip
+        _epilogue(
+            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr,
+            S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+            R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, SHRINK,
+        )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
         # arrive sums the planes in plane order (deterministic, whoever is last) and finishes the block.
@@ -523,26 +557,24 @@ def _decode_linear_kernel(
         tl.store(ws_ptr + (pid % SPLIT_W) * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, acc)
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        finish = arrived == SPLIT_W - 1
-        total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if finish:
+        if arrived == SPLIT_W - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for sp in tl.static_range(SPLIT_W):
                 total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-    if finish:
-        if SHRINK:
-            sl, _, _, _ = _lora_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N)
-            _await_shrink(
-                sync_ptr, N_DUTY, SPIN_LIMIT, sl, x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, meta_ptr, rank_ptr, M, NSEG,
-                K, stride_xm, stride_as, stride_ar, stride_bsp, stride_bi, stride_bm, S, KCH, NUM_SLICES, BLOCK_M,
-                BLOCK_KS, KSTEPS, BLOCK_R, SCDT, SIEEE,
+            if SHRINK:
+                _await_shrink(
+                    sync_ptr, N_DUTY, SPIN_LIMIT, _slice_of(pid_n, N0, N1, NUM_SLICES, BLOCK_N), x_ptr, a0_ptr,
+                    a1_ptr, a2_ptr, buf_ptr, meta_ptr, rank_ptr, M, NSEG, K, stride_xm, stride_as, stride_ar,
+                    stride_bsp, stride_bi, stride_bm, S, KCH, NUM_SLICES, BLOCK_M, BLOCK_KS, KSTEPS, BLOCK_R, SCDT,
+                    SIEEE,
+                )  # fmt: skip
+            _epilogue(
+                total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
+                rank_ptr, S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+                R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, SHRINK,
             )  # fmt: skip
-        _epilogue(
-            total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr,
-            S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-            R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
-        )  # fmt: skip
     if SHRINK:
         # the last program to finish (every wait is over) puts both counters back to zero
         done = tl.atomic_add(sync_ptr + 32, 1, sem="acq_rel", scope="gpu")

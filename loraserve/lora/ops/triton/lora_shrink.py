@@ -8,11 +8,12 @@ so work and bytes follow each adapter's rank, not max_lora_rank.
 Split-K (decode sizes have few segments, so K is split to keep the SMs streaming A): every split
 writes its partial to its own plane of ``buf``; the last program of a group to arrive (an atomic
 counter) sums the planes in plane order, up to 16 independent loads at a time, and writes the total
-to plane 0 (``reduce=True``, LORASERVE_SHRINK_REDUCE=1); or (the engine's default) each split keeps
+to plane 0 (``reduce=True``, the engine's default); or (LORASERVE_SHRINK_REDUCE=0) each split keeps
 its plane and the reader (the expand, or decode_linear's epilogue) sums them the same way while
-loading. Either is deterministic and needs no zeroing. (The reader used to sum 8-56 planes one L2
-round trip at a time; loading them together did not move the Llama-8B decode step's GPU time on the
-H200 (6.30 vs 6.31 ms with 8 adapters, BENCHMARKS.md session 5), so that loop was not the bottleneck.)
+loading. Either is deterministic and needs no zeroing. Summing here measured cheaper at decode
+(H200, Llama-8B, 32 tokens, 8 adapters: 31.2 vs 40.1 µs of LoRA cost per layer, BENCHMARKS.md
+session 6): decode_linear's epilogue runs once per wave of its programs, after the K loop, where
+the plane loads are latency nobody hides; here they are one program's tail per group.
 
 At decode sizes each program's K range is a single block: its tile of A (weights, written before
 the forward) is loaded before the PDL wait, overlapping the previous kernel's tail; x is read after.
