@@ -235,6 +235,36 @@ def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def lora_tune(layers: int, ops_names=("gate_up", "down")) -> None:
+    """The fused LoRA op (the engine's default path) per tile config, Llama-8B shapes, 32 tokens, 8 fp32
+    adapters: whether the LoRA'd layers want other tiles than the base ones (fewer stages, more programs
+    resident, fewer waves after which the epilogue's latency shows)."""
+    ops = TritonLoRAOps(DEV)
+    configs = [
+        dl.DecodeTiles(bn, 128, 8 if bn == 128 else 4, st, sk)
+        for bn, st, sk in itertools.product((32, 64, 128), (3, 4, 5), (1, 2))
+    ]
+    for name, K, slices in SHAPES["llama-8b"]:
+        if name not in ops_names:
+            continue
+        lc = Case(K, slices, 32, layers, lora_dtype=torch.float32)
+        default = dl.default_tiles(32, lc.N, K, torch.bfloat16)
+        rows = []
+        for t in configs:
+            if any(n % t.block_n for n in slices):
+                continue
+            try:
+                rows.append((bench_lora(lc, ops, t)[1], t))
+            except OutOfResources:
+                continue
+        rows.sort(key=lambda r: r[0])
+        t_def = next((u for u, t in rows if t == default), float("nan"))
+        print(f"lora-tune {name}: default {default} {t_def:.1f} µs | best " +
+              "; ".join(f"{u:.1f} {tuple(t.__dict__.values())}" for u, t in rows[:5]), flush=True)  # fmt: skip
+        del lc
+        torch.cuda.empty_cache()
+
+
 def tune(shapes, M: int, layers: int, bw: float) -> dict:
     configs = [
         dl.DecodeTiles(bn, 128, 8 if bn == 128 else 4, st, sk)
@@ -278,9 +308,13 @@ def main() -> None:
     ap.add_argument("--tiles-out", default=None, help="write the sweep's best tiles per (N, K) (for bench_e2e --decode-tiles)")
     ap.add_argument("--tables", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--matrix", action="store_true", help="only the LoRA cost per op under each knob of MATRIX")
+    ap.add_argument("--lora-tune", action="store_true", help="only the fused LoRA op's time per tile config")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if args.lora_tune:
+        lora_tune(args.layers)
+        return
     if args.matrix:
         print("| knob | op | cuBLAS µs | unfused µs | LoRA cost | decode_linear µs | fused µs | LoRA cost | fused rel err |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
