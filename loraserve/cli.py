@@ -66,6 +66,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once")
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     g.add_argument(
+        "--lora-dtype",
+        default="auto",
+        help="auto (float32, PEFT's numbers) | bfloat16 | float16 (adapters in that dtype: faster on the GPU)",
+    )
+    g.add_argument(
         "--max-cpu-loras", type=int, default=None, help="host adapter cache (default: max(max_loras, 32))"
     )
     g.add_argument(
@@ -149,6 +154,7 @@ def _make_llm(args: argparse.Namespace):
         enable_lora=args.lora is not None,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        lora_dtype=args.lora_dtype,
         max_cpu_loras=args.max_cpu_loras,
         tensor_parallel_size=args.tensor_parallel_size,
         fully_sharded_loras=args.fully_sharded_loras,

@@ -141,6 +141,7 @@ class LoRAConfig:
             raise ConfigError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = max(self.max_loras, 32)
+        self.resolved_dtype()  # an unknown lora_dtype fails here, before any model loads
         if self.max_cpu_loras < self.max_loras:
             raise ConfigError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}); "

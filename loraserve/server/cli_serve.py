@@ -77,6 +77,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once")
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     g.add_argument(
+        "--lora-dtype",
+        default="auto",
+        help="auto (float32, PEFT's numbers) | bfloat16 | float16 (adapters in that dtype: faster on the GPU)",
+    )
+    g.add_argument(
         "--fully-sharded-loras", action="store_true", help="S-LoRA layout under tensor parallelism (A/B sharded too)"
     )
     g.add_argument(
@@ -128,6 +133,7 @@ def build_engine(args: argparse.Namespace, lora_modules: list[tuple[str, str]]):
         lora = LoRAConfig(
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+            lora_dtype=args.lora_dtype,
             max_cpu_loras=args.max_cpu_loras,
             lora_target_modules=args.lora_target_modules,
             fully_sharded_loras=args.fully_sharded_loras,

@@ -29,6 +29,8 @@ def test_serve_flags_parse(tmp_path):
             "2",
             "--max-lora-rank",
             "32",
+            "--lora-dtype",
+            "bfloat16",
             "--max-cpu-loras",
             "8",
             "--lora-target-modules",
@@ -49,7 +51,9 @@ def test_serve_flags_parse(tmp_path):
     assert args.model == "/models/m" and args.port == 9000 and args.max_model_len == 512
     assert args.lora_modules == [("sql", "/a/sql"), ("chat", "/a/chat")]
     assert args.lora_target_modules == ["q_proj", "v_proj"] and args.max_cpu_loras == 8
+    assert args.lora_dtype == "bfloat16"
     assert build_parser().parse_args(["serve"]).model is None
+    assert build_parser().parse_args(["serve"]).lora_dtype == "auto"
 
 
 def test_demo_adapters_are_found():
