@@ -127,18 +127,11 @@ def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> 
 
     def fused():
         for w, A, B in zip(case.ws, case.As, case.Bs):
-            dl.decode_linear(case.x, w, lora=epilogue(case, ops, A, B, rank_dev, R), tiles=tiles)
+            buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces)
+            epi = dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev, pdl=ops_pdl(case.x.device))
+            dl.decode_linear(case.x, w, lora=epi, tiles=tiles)
 
     return graph_us(unfused, len(case.ws)), graph_us(fused, len(case.ws))
-
-
-def epilogue(case: Case, ops: TritonLoRAOps, A, B, rank_dev, R: int) -> dl.ExpandEpilogue:
-    """The engine's fused LoRA op: the shrink inside decode_linear's launch, or (LORASERVE_FUSE_SHRINK=0
-    or the matrix's "two launches" rows) a shrink launch first, PDL-overlapped."""
-    if dl.fuses_shrink():
-        return dl.ExpandEpilogue(None, B, case.mapping.token_slots, rank_dev, lora_a=A, meta=case.meta)
-    buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces)
-    return dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev, pdl=ops_pdl(case.x.device))
 
 
 def bench_parts(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
@@ -165,12 +158,12 @@ def ops_pdl(device) -> bool:
 
 
 MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a time against the default
-    "default": ("a lora_shrink launch that sums its splits, then the GEMM (PDL)", {"fuse": False, "shrink_reduces": True}),
-    "reader sums": ("the same, decode_linear's epilogue sums the split planes", {"fuse": False, "shrink_reduces": False}),
-    "in-launch shrink": ("the shrink inside decode_linear's launch (LORASERVE_FUSE_SHRINK=1)", {"fuse": True}),
-    "no PDL": ("two ordinary launches", {"fuse": False, "pdl": False, "shrink_reduces": True}),
-    "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16, "fuse": False, "shrink_reduces": True}),
-    "bf16 LoRA, in-launch": ("bf16 A and B, the shrink inside the launch", {"lora_dtype": torch.bfloat16, "fuse": True}),
+    "default": ("a lora_shrink launch that sums its splits, then the GEMM (PDL)", {}),
+    "reader sums": ("decode_linear's epilogue sums the shrink's split planes", {"shrink_reduces": False}),
+    "no PDL": ("two ordinary launches", {"pdl": False}),
+    "no A prefetch": ("the shrink waits first, then loads A and x", {"prefetch": False}),
+    "K blocks 512/1024": ("the shrink's K blocks doubled: half the programs and planes", {"block_k": (512, 1024)}),
+    "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
 }
 PARTS = ("default", "bf16 LoRA")  # configs whose cost is also split into shrink and epilogue
 
@@ -187,15 +180,14 @@ def matrix(layers: int) -> list[dict]:
         tiles = dl.default_tiles(32, case.N, K, torch.bfloat16)
         base[name] = bench_base(case, tiles)
         del case
-    saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, dl.fuses_shrink, dl.SHRINK_MAX_KSTEPS)
+    saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K)
     for cfg, (what, knobs) in MATRIX.items():
         if knobs.get("pdl") is False:
             shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = lambda device: False
-        fuse = knobs.get("fuse", True)
-        dl.fuses_shrink = lambda fuse=fuse: fuse
-        dl.SHRINK_MAX_KSTEPS = knobs.get("ksteps", saved[4])
+        shrink_mod.PREFETCH_A = knobs.get("prefetch", saved[3])
+        shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
         ops = TritonLoRAOps(DEV)
-        ops.shrink_reduces = knobs.get("shrink_reduces", False)
+        ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         for name, K, slices in SHAPES["llama-8b"][:4]:
             lc = Case(K, slices, 32, layers, lora_dtype=knobs.get("lora_dtype", torch.float32))
             tiles = dl.default_tiles(32, lc.N, K, torch.bfloat16)
@@ -212,8 +204,7 @@ def matrix(layers: int) -> list[dict]:
                   f"{t_fus:.1f} | {t_fus - t_ours:.1f} | {err:.1e} |", flush=True)  # fmt: skip
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
-        dl.fuses_shrink, dl.SHRINK_MAX_KSTEPS = saved[3], saved[4]
-    print(f"programs that computed their shrink planes themselves (fallback): {dl.shrink_fallbacks(DEV)}")
+        shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K = saved[3], saved[4]
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])
@@ -231,7 +222,8 @@ def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
     w, A, B = case.ws[0], case.As[0], case.Bs[0]
     ref = F.linear(case.x, w)
     ops.add_lora_linear(ref, case.x, A, B, case.ranks, case.meta)
-    y = dl.decode_linear(case.x, w, lora=epilogue(case, ops, A, B, rank_dev, A[0].shape[2]), tiles=tiles)
+    buf = lora_shrink(case.x, A, case.meta, rank_dev, A[0].shape[2], reduce=ops.shrink_reduces)
+    y = dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev), tiles=tiles)
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 

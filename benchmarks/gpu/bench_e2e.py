@@ -361,9 +361,6 @@ def main() -> None:
         print(f"{shape}: GPU time of one decode step (graph replay) ms: "
               + ", ".join(f"{k[len('graph_replay_ms_'):]} {v:.2f}" for k, v in o.items() if k.startswith("graph_replay_ms_")))  # fmt: skip
         print(f"{shape}: greedy ids equal to eager: " + ", ".join(f"{k}: {v}" for k, v in o.items() if "same_seqs" in k))
-        from loraserve.layers import triton_decode_linear as dl
-
-        print(f"shrink-in-launch fallbacks so far (programs that stopped waiting): {dl.shrink_fallbacks(DEVICE)}")
         for k in ("kernels_ms_per_step_base", "kernels_ms_per_step_mixed"):
             if k in o:
                 print(f"{shape}: {k}: {o[k]}")

@@ -1,24 +1,27 @@
 """A linear layer at decode sizes (<= 32 tokens) on the GPU, with an optional per-token low-rank
-epilogue: the LoRA expand (optionally the shrink too) in the same launch as the GEMM.
+epilogue: the LoRA expand, in the same launch as the GEMM.
 
-    y = round(x @ W^T + bias) + sum_i B_i[slot(t)] (s_i[t]),   s_i[t] = x[t] @ A_i[slot(t)]^T
-                                                    (slice i owns columns [off_i, off_i + N_i))
+    y = round(x @ W^T + bias) + sum_i B_i[slot(t)] (s_i[t])      (slice i owns columns [off_i, off_i + N_i))
 
-The base layers call it without the epilogue where it beats cuBLAS (``prefer_over_cublas``); the LoRA
-layers call it with the epilogue (lora/ops/triton_ops.py).
+where ``s`` is ``lora_shrink``'s output (x @ A_i[slot(t)]^T in fp32, as split-K planes that are summed here,
+or already summed by the shrink: one plane, the engine's default). The base
+layers call it without the epilogue where it beats cuBLAS (``prefer_over_cublas``); the LoRA layers
+call it with the epilogue (lora/ops/triton_ops.py).
 
 Why: at decode sizes a LoRA'd op was three launches (cuBLAS GEMM, shrink, expand), and the two LoRA
 kernels cost ~10-15 µs per op on the H200 whatever they moved: launch and latency, not bytes. Here the
 expand rides on the GEMM that already streams W: each program, after its K loop over its BLOCK_N rows
-of W, adds the delta of those columns. The shrink is a launch of its own before it (``lora_shrink``,
-then this with ``buf``): under programmatic dependent launch (Hopper) the GEMM starts while the
-shrink runs, streams W, and waits (``gdc_wait``) only before reading the shrink's partials.
+of W, adds the delta of those columns. The shrink stays a launch of its own before the GEMM; under
+programmatic dependent launch (Hopper) the GEMM starts while the shrink runs, streams W, and waits
+(``gdc_wait``) only before reading the shrink's partials.
 
-Or the shrink rides on this launch too (``ExpandEpilogue.lora_a``, LORASERVE_FUSE_SHRINK=1): its units
-(slice x segment of tokens of one slot x chunk of K) are spread over the first programs (at most one
-per SM), which compute them before their own K loop and publish them with an atomic counter; every
-program waits on that counter only after its K loop. It removes the shrink's launch but measured
-slower (``fuses_shrink`` has the numbers), so it is not the default.
+NOTE: the shrink inside this launch was tried (session 6, commit 71c6a33): the first programs, at most
+one per SM, computed the shrink's units before their K loop and published them through an atomic
+counter that every program waited on after its own K loop (with a fallback against starvation). It
+removed a launch per op but measured slower (H200, Llama-8B shapes, 32 tokens, 8 fp32 adapters: 42
+vs 31 µs of LoRA cost per layer; the end-to-end step the same): the units' loads of A delayed the
+first wave's stream of W, where a shrink launch's A loads overlap the previous kernel's tail. It was
+removed; a GEMM whose warps specialize (some stream W while others run the shrink) could revive it.
 
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
@@ -26,12 +29,10 @@ columns; with ``split_k`` > 1 several programs share one over slices of K, and t
 sums their partials in a fixed order and runs the epilogue (deterministic): small layers (o_proj,
 qkv) have too few column blocks to keep every SM streaming W otherwise.
 
-Numerics (the same as the unfused path, cuBLAS GEMM then the shrink and expand kernels): fp32
-accumulation, bias added in fp32, the base output rounded to y's dtype, then the delta (s in fp32
-summed over K chunks in chunk order, rounded to B's dtype; products tf32 for fp32 LoRA weights with
-half activations, as ``lora_shrink`` and ``lora_expand``) added and rounded once more. This is PEFT's
-order, ``result = base(x); result = result + lora_B(lora_A(x)) * s`` with the fp32 sum rounded.
-Deterministic: every unit and every sum has one fixed order, whichever program computes it.
+Numerics (the same as the unfused path, cuBLAS GEMM then the expand kernel): fp32 accumulation, bias
+added in fp32, the base output rounded to y's dtype, then the delta (fp32: s rounded to B's dtype,
+products tf32 for fp32 B with half activations, as ``lora_expand``) added and rounded once more. This
+is PEFT's order, ``result = base(x); result = result + lora_B(lora_A(x)) * s`` with the fp32 sum rounded.
 """
 
 from __future__ import annotations
@@ -44,12 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.lora_shrink import _dot
 from loraserve.lora.ops.triton.utils import compute_dtype_of, persistent_buffer, tl_dtype
-from loraserve.lora.punica import SegmentMeta
 
-SHRINK_MAX_KSTEPS = 8  # the most K steps (of BLOCK_KS) in one unit of the shrink inside the launch
-SPIN_LIMIT = 4096  # polls of the shrink's counter before a program computes its slice's planes itself
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 
 
@@ -67,65 +64,18 @@ class DecodeTiles:
 
 @dataclass
 class ExpandEpilogue:
-    """What the epilogue needs: the shrink's partials (or what it takes to compute them in the launch)
-    and the slots' B and ranks.
+    """What the epilogue needs: the shrink's partials and the slots' B and ranks.
 
     buf: (SPLIT_K, n_slices, M, R) fp32 from ``lora_shrink`` (rows of base tokens and columns past a
-    slot's rank are never read); or None, and then ``lora_a`` (per slice (S, 1, R, K), contiguous
-    along K) and ``meta`` (the mapping's segments) for the shrink inside the launch. lora_b: per slice
-    (S, 1, N_i, R), contiguous. token_slots: (M,) int on the device, -1 = base. ranks: (S,) int32 on
-    the device.
+    slot's rank are never read). lora_b: per slice (S, 1, N_i, R), contiguous. token_slots: (M,) int
+    on the device, -1 = base. ranks: (S,) int32 on the device.
     """
 
-    buf: torch.Tensor | None
+    buf: torch.Tensor
     lora_b: tuple[torch.Tensor, ...]
     token_slots: torch.Tensor
     ranks: torch.Tensor
     pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
-    lora_a: tuple[torch.Tensor, ...] | None = None
-    meta: SegmentMeta | None = None
-
-
-@functools.cache
-def fuses_shrink() -> bool:
-    """Whether the LoRA layers compute the shrink inside decode_linear's launch (LORASERVE_FUSE_SHRINK=1)
-    instead of a ``lora_shrink`` launch before it, PDL-overlapped (the default).
-
-    NOTE: off because it measured slower (H200, Llama-8B, 32 tokens, 8 fp32 adapters, CUDA graphs; LoRA
-    cost per layer 42.0 µs vs 31.2 for the two launches with the shrink summing its splits; the decode
-    step 6.34 ms either way): the duty programs load their units of A before their K loop, which
-    delays the first wave's stream of W by the unit's latency, while the shrink launch's A loads
-    overlap the previous kernel's tail. Kept, tested, for a warp-specialized GEMM that could overlap
-    the two."""
-    return os.environ.get("LORASERVE_FUSE_SHRINK", "0") == "1"
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the Triton interpreter: a few duty programs, so that tests cover several
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def shrink_fallbacks(device: torch.device) -> int:
-    """How many programs, since the process started, stopped waiting for the duty programs and computed
-    their slice's planes themselves (see ``_await_shrink``); a device sync."""
-    return int(persistent_buffer(device, "decode_linear/shrink_sync", 64)[16])
-
-
-def shrink_plan(K: int, n_slices: int, slots: int, rank_block: int, n_programs: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_KS, KSTEPS, KCH, N_DUTY) for the shrink inside the launch: units of KSTEPS steps of
-    BLOCK_KS along K (KCH chunks), few enough that about one unit falls to each duty program, and at
-    most one duty program per SM (``_await_shrink`` says why). Depends on the shapes and the number of
-    slots only, never on the batch: eager steps and CUDA graphs sum the same chunks."""
-    block_ks = max(32, min(256, 4096 // rank_block))
-    steps = triton.cdiv(K, block_ks)
-    n_duty_max = max(1, min(n_programs, sms))
-    ksteps = 1
-    while n_slices * slots * triton.cdiv(steps, ksteps) > n_duty_max and ksteps < SHRINK_MAX_KSTEPS:
-        ksteps *= 2
-    kch = triton.cdiv(steps, ksteps)
-    return block_ks, ksteps, kch, min(n_duty_max, n_slices * slots * kch)
 
 
 def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
@@ -201,17 +151,6 @@ def _lora_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws
 
 
 @triton.jit
-def _slice_of(pid_n, N0, N1, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The slice (0-2) whose columns this program's block lies in."""
-    col0 = pid_n * BLOCK_N
-    if NUM_SLICES == 1:
-        sl = pid_n * 0
-    else:
-        sl = (col0 >= N0).to(tl.int32) + (col0 >= N0 + N1).to(tl.int32)
-    return sl
-
-
-@triton.jit
 def _lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr):  # fmt: skip
     """(BLOCK_N, C) B of slots chunk .. chunk + SLOTS_PER_CHUNK for this program's columns: column c is
@@ -283,11 +222,8 @@ def _epilogue(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PAST_L1: tl.constexpr,
 ):
-    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored.
-
-    The shrink's planes must be complete when this runs (the PDL wait below, or ``_await_shrink``)."""
+    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -301,6 +237,8 @@ def _epilogue(
         sl, b_ptr, stride_ws, n_loc0 = _lora_slice(
             pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N
         )
+        # NOTE: slots, ranks and B are loaded here, after the K loop: loaded before it (held in registers
+        # across the loop) they cost gate_up 21.4 instead of 12.8 µs of LoRA (session 6, H200, 8 slots)
         slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)  # (BLOCK_M,)
         rank = tl.load(rank_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)  # (BLOCK_M,)
         # NOTE: the whole chunk of slots is ONE load of B and ONE MMA: s is expanded to (tokens, slots x r)
@@ -319,17 +257,11 @@ def _epilogue(
                 tl.extra.cuda.gdc_wait()
             # h (BLOCK_M, BLOCK_R): each token's own s, its split-K planes summed in plane order, RED
             # independent small loads at a time (one L2 round trip, not one per plane); unrolled loads of
-            # whole (BLOCK_M, C) planes were staged in shared memory (704 KB, OutOfResources). PAST_L1
-            # (.cg): with the shrink inside this launch, other SMs wrote the planes during it.
+            # whole (BLOCK_M, C) planes were staged in shared memory (704 KB, OutOfResources)
             h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for p0 in range(0, SPLIT_K, RED):
                 for j in tl.static_range(RED):
-                    hp = h_ptrs + (p0 + j) * stride_bsp
-                    hm = h_mask & (p0 + j < SPLIT_K)
-                    if PAST_L1:
-                        h += tl.load(hp, mask=hm, other=0.0, cache_modifier=".cg")
-                    else:
-                        h += tl.load(hp, mask=hm, other=0.0)
+                    h += tl.load(h_ptrs + (p0 + j) * stride_bsp, mask=h_mask & (p0 + j < SPLIT_K), other=0.0)
             delta = _expand_chunk(delta, b, h, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
         y = (y.to(tl.float32) + delta).to(out_dt)
 
@@ -337,87 +269,11 @@ def _epilogue(
     tl.store(y_ptrs, y, mask=n_mask[:, None] & m_mask[None, :])
 
 
-@triton.jit
-def _shrink_unit(
-    u, x_ptr, a0_ptr, a1_ptr, a2_ptr, planes_ptr, meta_ptr, rank_ptr, M, NSEG, K, stride_xm, stride_as, stride_ar,
-    stride_bsp, stride_bi, stride_bm, S_UNITS, KCH, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_KS: tl.constexpr, KSTEPS: tl.constexpr, BLOCK_R: tl.constexpr, SCDT: tl.constexpr, SIEEE: tl.constexpr,
-):  # fmt: skip
-    """One unit of the in-launch shrink: plane kc of slice sl for the tokens of segment seg,
-    planes[kc, sl, tok, :rank] = x[tok, chunk kc] @ A_sl[slot, :rank, chunk kc]^T (fp32), the chunk being
-    KSTEPS steps of BLOCK_KS; u = (sl * S_UNITS + seg) * KCH + kc. A segment past the mapping's (NSEG),
-    empty, or of a rank-0 slot writes nothing (nothing reads it)."""
-    kc = u % KCH
-    seg = (u // KCH) % S_UNITS
-    sl = u // (KCH * S_UNITS)
-    valid = seg < NSEG
-    slot = tl.load(meta_ptr + M + seg, mask=valid, other=0)
-    start = tl.load(meta_ptr + M + NSEG + seg, mask=valid, other=0)
-    n = tl.load(meta_ptr + M + 2 * NSEG + seg, mask=valid, other=0)
-    rank = tl.load(rank_ptr + slot, mask=valid, other=0)
-    if (n > 0) & (rank > 0):
-        if NUM_SLICES == 1:
-            a_ptr = a0_ptr
-        else:
-            if sl == 0:
-                a_ptr = a0_ptr
-            elif sl == 1:
-                a_ptr = a1_ptr
-            else:
-                a_ptr = a2_ptr
-        offs_m = tl.arange(0, BLOCK_M)
-        m_mask = offs_m < n
-        tok = tl.load(meta_ptr + start + offs_m, mask=m_mask, other=0)  # (BLOCK_M,) rows of x
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
-        offs_k = tl.arange(0, BLOCK_KS)
-        x_rows = x_ptr + tok[:, None] * stride_xm
-        a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for j in tl.static_range(KSTEPS):  # unrolled: every step's loads in flight at once
-            kk = kc * (KSTEPS * BLOCK_KS) + j * BLOCK_KS + offs_k
-            k_mask = kk < K
-            xt = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            at = tl.load(a_rows + kk[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-            acc += _dot(xt, at, SCDT, SIEEE)
-        out = planes_ptr + kc * stride_bsp + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
-        tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
-
-
-@triton.jit
-def _await_shrink(
-    sync_ptr, N_DUTY, SPIN_LIMIT, sl, x_ptr, a0_ptr, a1_ptr, a2_ptr, planes_ptr, meta_ptr, rank_ptr, M, NSEG, K,
-    stride_xm, stride_as, stride_ar, stride_bsp, stride_bi, stride_bm, S_UNITS, KCH, NUM_SLICES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_KS: tl.constexpr, KSTEPS: tl.constexpr, BLOCK_R: tl.constexpr,
-    SCDT: tl.constexpr, SIEEE: tl.constexpr,
-):  # fmt: skip
-    """Wait until the N_DUTY duty programs have published the shrink's planes (acquire), polling at most
-    SPIN_LIMIT times; past that, compute this slice's planes here, the same units with the same bits.
-
-    NOTE: why the fallback: a program that waits holds its SM, and a duty program that has not been
-    scheduled yet could then never run (no forward-progress guarantee across programs). The duty
-    programs are the lowest program ids, at most one per SM, and do their units before their K loop,
-    so on an idle GPU the wait ends long before the limit; the fallback keeps any other case correct
-    (it is also what the Triton interpreter, which runs programs one after another, exercises)."""
-    seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-    spins = seen * 0
-    while (seen < N_DUTY) & (spins < SPIN_LIMIT):
-        seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    if seen < N_DUTY:
-        tl.atomic_add(sync_ptr + 16, 1, sem="relaxed", scope="gpu")  # counted, never reset (shrink_fallbacks)
-        for u in range(sl * S_UNITS * KCH, (sl + 1) * S_UNITS * KCH):
-            _shrink_unit(
-                u, x_ptr, a0_ptr, a1_ptr, a2_ptr, planes_ptr, meta_ptr, rank_ptr, M, NSEG, K, stride_xm, stride_as,
-                stride_ar, stride_bsp, stride_bi, stride_bm, S_UNITS, KCH, NUM_SLICES, BLOCK_M, BLOCK_KS, KSTEPS,
-                BLOCK_R, SCDT, SIEEE,
-            )  # fmt: skip
-        tl.debug_barrier()  # this program's stores, by all its threads, before any of them loads the planes
 
 
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
 # of 16 and vectorizes the loads; only M (the token count) is a runtime value.
-@triton.jit(do_not_specialize=["M", "S", "SPLIT_K", "NSEG", "N_DUTY", "NUM_UNITS", "SPIN_LIMIT"])
+@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
 def _decode_linear_kernel(
     x_ptr,
     w_ptr,
@@ -449,18 +305,6 @@ def _decode_linear_kernel(
     stride_ws0,
     stride_ws1,
     stride_ws2,
-    # the shrink inside this launch (unused when not SHRINK): buf_ptr is then its planes (SPLIT_K = KCH)
-    a0_ptr,
-    a1_ptr,
-    a2_ptr,
-    meta_ptr,
-    sync_ptr,  # int32: [0] duty programs done, [32] programs finished (zero between launches); [16] fallbacks
-    NSEG,
-    stride_as,
-    stride_ar,
-    NUM_UNITS,
-    N_DUTY,
-    SPIN_LIMIT,
     R: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
@@ -480,11 +324,6 @@ def _decode_linear_kernel(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    SHRINK: tl.constexpr,  # HAS_LORA with the shrink computed in this launch (no buf from a shrink launch)
-    BLOCK_KS: tl.constexpr,
-    KSTEPS: tl.constexpr,
-    SCDT: tl.constexpr,
-    SIEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if SPLIT_W == 1:
@@ -499,19 +338,6 @@ def _decode_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    KCH = SPLIT_K
-    if SHRINK:
-        # the duty programs (the first N_DUTY) compute the shrink's units first, then publish them with
-        # one release at GPU scope after a CTA barrier (the split-K semaphore pattern below)
-        if pid < N_DUTY:
-            for u in range(pid, NUM_UNITS, N_DUTY):
-                _shrink_unit(
-                    u, x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, meta_ptr, rank_ptr, M, NSEG, K, stride_xm, stride_as,
-                    stride_ar, stride_bsp, stride_bi, stride_bm, S, KCH, NUM_SLICES, BLOCK_M, BLOCK_KS, KSTEPS,
-                    BLOCK_R, SCDT, SIEEE,
-                )  # fmt: skip
-            tl.debug_barrier()
-            tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -534,17 +360,11 @@ def _decode_linear_kernel(
         x_ptrs += BLOCK_K
 
     if SPLIT_W == 1:
-        if SHRINK:
-            _await_shrink(
-                sync_ptr, N_DUTY, SPIN_LIMIT, _slice_of(pid_n, N0, N1, NUM_SLICES, BLOCK_N), x_ptr, a0_ptr, a1_ptr,
-                a2_ptr, buf_ptr, meta_ptr, rank_ptr, M, NSEG, K, stride_xm, stride_as, stride_ar, stride_bsp, stride_bi,
-                stride_bm, S, KCH, NUM_SLICES, BLOCK_M, BLOCK_KS, KSTEPS, BLOCK_R, SCDT, SIEEE,
-            )  # fmt: skip
         _epilogue(
             acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, SHRINK,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
@@ -562,25 +382,12 @@ def _decode_linear_kernel(
             for sp in tl.static_range(SPLIT_W):
                 total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            if SHRINK:
-                _await_shrink(
-                    sync_ptr, N_DUTY, SPIN_LIMIT, _slice_of(pid_n, N0, N1, NUM_SLICES, BLOCK_N), x_ptr, a0_ptr,
-                    a1_ptr, a2_ptr, buf_ptr, meta_ptr, rank_ptr, M, NSEG, K, stride_xm, stride_as, stride_ar,
-                    stride_bsp, stride_bi, stride_bm, S, KCH, NUM_SLICES, BLOCK_M, BLOCK_KS, KSTEPS, BLOCK_R, SCDT,
-                    SIEEE,
-                )  # fmt: skip
             _epilogue(
                 total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
                 rank_ptr, S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, SHRINK,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
-    if SHRINK:
-        # the last program to finish (every wait is over) puts both counters back to zero
-        done = tl.atomic_add(sync_ptr + 32, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr + 32, 0, sem="relaxed", scope="gpu")
 
 
 def _block_m(M: int) -> int:
@@ -626,76 +433,45 @@ def decode_linear(
     tiles = tiles or default_tiles(M, N, K, x.dtype)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cdt = compute_dtype_of(x.dtype, weight.dtype)
-    block_m = _block_m(M)
-    n_blocks = triton.cdiv(N, tiles.block_n)
-    split = tiles.split_k
     lora_args: tuple = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    shrink_args: tuple = (x, x, x, x, x, 0, 0, 0, 0, 0, 0)
     lora_consts = dict(
-        R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32,
-        LORA_IEEE=False, SHRINK=False, BLOCK_KS=16, KSTEPS=1, SCDT=tl.float32, SIEEE=False,
-    )  # fmt: skip
+        R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
+    )
     pdl = False
     if lora is not None:
         b0 = lora.lora_b[0]
         n_sl = len(lora.lora_b)
-        S, R = b0.shape[0], b0.shape[3]
+        split, n_buf, m_buf, R = lora.buf.shape
+        assert 1 <= n_sl <= 3 and n_buf == n_sl and m_buf == M, f"buf {tuple(lora.buf.shape)} does not fit"
+        assert lora.buf.dtype == torch.float32 and lora.buf.stride(3) == 1
         sizes = [b.shape[2] for b in lora.lora_b]
-        assert 1 <= n_sl <= 3, f"1 to 3 slices, got {n_sl}"
         assert sum(sizes) == N and all(n % tiles.block_n == 0 for n in sizes), (
             f"slices {sizes} must sum to N={N} and be multiples of block_n={tiles.block_n}"
         )
         for b in lora.lora_b:
-            assert b.dtype == b0.dtype and b.shape[0] == S and b.shape[3] == R
+            assert b.dtype == b0.dtype and b.shape[0] == b0.shape[0] and b.shape[3] == R
             assert b.stride()[1:] == (b.shape[2] * R, R, 1), "B must be contiguous (out, R) per slot"
         assert lora.token_slots.shape == (M,) and lora.ranks.dtype == torch.int32
-        block_r = max(16, triton.next_power_of_2(R))
-        if lora.buf is None:  # the shrink inside this launch
-            assert lora.lora_a is not None and lora.meta is not None, "buf None: lora_a and meta compute it here"
-            a0 = lora.lora_a[0]
-            assert len(lora.lora_a) == n_sl and a0.shape == (S, 1, R, K), f"A {tuple(a0.shape)} does not fit"
-            for a in lora.lora_a:
-                assert a.shape == a0.shape and a.stride() == a0.stride() and a.dtype == a0.dtype, "slices differ"
-            assert a0.stride(3) == 1, "A must be contiguous along K"
-            meta = lora.meta
-            assert meta.num_tokens == M and meta.num_segs <= S and meta.packed.dtype == torch.int32
-            block_ks, ksteps, kch, n_duty = shrink_plan(K, n_sl, S, block_r, n_blocks * split, _sm_count(x.device))
-            planes = persistent_buffer(x.device, "decode_linear/shrink_planes", kch * n_sl * M * R, torch.float32)
-            buf = planes[: kch * n_sl * M * R].view(kch, n_sl, M, R)
-            sync = persistent_buffer(x.device, "decode_linear/shrink_sync", 64)
-            a1 = lora.lora_a[1] if n_sl > 1 else a0
-            a2 = lora.lora_a[2] if n_sl > 2 else a0
-            # the interpreter runs programs one after another: a wait there never ends before its limit
-            spin = min(SPIN_LIMIT, 4) if os.environ.get("TRITON_INTERPRET") == "1" else SPIN_LIMIT
-            shrink_args = (
-                a0, a1, a2, meta.packed, sync, meta.num_segs, a0.stride(0), a0.stride(2), n_sl * S * kch, n_duty, spin
-            )  # fmt: skip
-            scdt = compute_dtype_of(x.dtype, a0.dtype)
-            lora_consts.update(
-                SHRINK=True, BLOCK_KS=block_ks, KSTEPS=ksteps, SCDT=tl_dtype(scdt),
-                SIEEE=scdt == torch.float32 and x.dtype == torch.float32,
-            )  # fmt: skip
-        else:
-            buf = lora.buf
-            pdl = lora.pdl
-        n_planes, n_buf, m_buf, r_buf = buf.shape
-        assert n_buf == n_sl and m_buf == M and r_buf == R, f"buf {tuple(buf.shape)} does not fit"
-        assert buf.dtype == torch.float32 and buf.stride(3) == 1
         b1 = lora.lora_b[1] if n_sl > 1 else b0
         b2 = lora.lora_b[2] if n_sl > 2 else b0
         lcdt = compute_dtype_of(torch.float32 if b0.dtype == torch.float32 else b0.dtype, b0.dtype)
         lora_args = (
-            buf, b0, b1, b2, lora.token_slots, lora.ranks, S, n_planes,
+            lora.buf, b0, b1, b2, lora.token_slots, lora.ranks, b0.shape[0], split,
             sizes[0], sizes[1] if n_sl > 1 else 0,
-            buf.stride(0), buf.stride(1), buf.stride(2),
+            lora.buf.stride(0), lora.buf.stride(1), lora.buf.stride(2),
             b0.stride(0), b1.stride(0), b2.stride(0),
         )  # fmt: skip
+        block_r = max(16, triton.next_power_of_2(R))
         # slots per chunk: up to 128 columns of (slot, r) per MMA (at least one slot)
-        per_chunk = max(1, min(triton.next_power_of_2(S), 128 // block_r))
-        lora_consts.update(
-            R=R, NUM_SLICES=n_sl, BLOCK_R=block_r, SLOTS_PER_CHUNK=per_chunk, RED=min(triton.next_power_of_2(n_planes), 16),
-            LORA_WDT=tl_dtype(b0.dtype), LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
+        per_chunk = max(1, min(triton.next_power_of_2(b0.shape[0]), 128 // block_r))
+        lora_consts = dict(
+            R=R, NUM_SLICES=n_sl, BLOCK_R=block_r, SLOTS_PER_CHUNK=per_chunk, RED=min(triton.next_power_of_2(split), 16), LORA_WDT=tl_dtype(b0.dtype),
+            LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
+        pdl = lora.pdl
+    block_m = _block_m(M)
+    n_blocks = triton.cdiv(N, tiles.block_n)
+    split = tiles.split_k
     k_per_split = triton.cdiv(triton.cdiv(K, split), tiles.block_k) * tiles.block_k
     ws, cnt = (x, x)
     if split > 1:
@@ -704,7 +480,7 @@ def decode_linear(
     _decode_linear_kernel[(n_blocks * split,)](
         x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0),
-        *lora_args, *shrink_args,
+        *lora_args,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
         EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,

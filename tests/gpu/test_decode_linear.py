@@ -46,18 +46,6 @@ def lora_stacks(g, S, R, K, outs, ranks, dtype):
     return tuple(As), tuple(Bs)
 
 
-def _one_step_units(plan):
-    """shrink_plan with 64-wide K steps: several chunks of K even for the tests' small K."""
-
-    def small_steps(K, n_slices, slots, rank_block, n_programs, sms):
-        _, ksteps, _, n_duty = plan(K, n_slices, slots, rank_block, n_programs, sms)
-        kch = -(-K // 64)
-        assert ksteps == 1 and kch > 1
-        return 64, 1, kch, n_duty
-
-    return small_steps
-
-
 CASES = [
     # M, K, slice outs, S, R, x dtype, LoRA dtype, tiles
     (32, 512, (512, 128, 128), 8, 16, torch.bfloat16, torch.float32, DecodeTiles(64, 128, 4, 3)),
@@ -84,16 +72,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-{len(c[2])}sl-S{c[3]}-R{c[4]}-{c[5]}-{c[6]}")
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shrink", ["in-launch", "in-launch-chunked", "planes", "one-plane"])
-def test_decode_linear_with_lora_matches_reference(case, bias, shrink, monkeypatch):
-    """The shrink inside the launch (the engine's default; chunked: one K step a unit, so several chunks
-    of K and several units a duty program), or a lora_shrink launch before it whose split-K planes the
-    epilogue sums (planes) or which sums them itself (one-plane)."""
-    from loraserve.layers import triton_decode_linear
-
-    if shrink == "in-launch-chunked":
-        monkeypatch.setattr(triton_decode_linear, "SHRINK_MAX_KSTEPS", 1)
-        monkeypatch.setattr(triton_decode_linear, "shrink_plan", _one_step_units(triton_decode_linear.shrink_plan))
+@pytest.mark.parametrize("shrink_reduces", [True, False], ids=["one-plane", "planes"])
+def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces):
+    """The shrink sums its split-K planes (the engine's default) or leaves them for the epilogue to sum."""
     M, K, outs, S, R, xdt, wdt, tiles = case
     skip_interpreted_bf16(xdt, wdt)
     g = torch.Generator().manual_seed(M * 7 + K)
@@ -113,13 +94,9 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink, monkeypat
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
     assert supports(x, w, outs, tiles) == (xdt != torch.float32)
 
-    if shrink.startswith("in-launch"):
-        epi = ExpandEpilogue(None, Bs, mapping.token_slots, rank_dev, lora_a=As, meta=meta)
-    else:
-        buf = lora_shrink(x, As, meta, rank_dev, R, reduce=shrink == "one-plane")
-        assert (buf.shape[0] == 1) == (shrink == "one-plane" or K <= 256), "the decode shrink splits K by 256"
-        epi = ExpandEpilogue(buf, Bs, mapping.token_slots, rank_dev)
-    y = decode_linear(x, w, b, lora=epi, tiles=tiles)
+    buf = lora_shrink(x, As, meta, rank_dev, R, reduce=shrink_reduces)
+    assert (buf.shape[0] == 1) == (shrink_reduces or K <= 256), "the decode shrink splits K in blocks of 256"
+    y = decode_linear(x, w, b, lora=ExpandEpilogue(buf, Bs, mapping.token_slots, rank_dev), tiles=tiles)
 
     base = F.linear(x.float(), w.float(), None if b is None else b.float()).to(xdt)  # rounded, as cuBLAS's
     ref = base.float()
@@ -169,44 +146,6 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(split):
     assert rel_err(ys[0], F.linear(x.float(), w.float())) < 1e-2
     pool = triton_utils._PERSISTENT[("decode_linear/arrivals", x.device, torch.int32)]
     assert pool and all(int(counters.abs().sum()) == 0 for counters in pool)
-
-
-@pytest.mark.parametrize("tiles", [DecodeTiles(64, 64, 4, 2), DecodeTiles(64, 64, 4, 2, split_k=3)], ids=["1", "split3"])
-def test_shrink_in_launch_is_deterministic_whoever_computes_it(tiles, monkeypatch):
-    """The same bits at every relaunch, and when every program computes its slice's planes itself
-    (no wait: SPIN_LIMIT 0) instead of taking the duty programs'; the counters end at zero."""
-    from loraserve.layers import triton_decode_linear
-    from loraserve.lora.ops.triton import utils as triton_utils
-
-    g = torch.Generator().manual_seed(11)
-    M, K, outs, S, R = 13, 640, (128, 64), 5, 16
-    x = torch.randn(M, K, generator=g).to(DEV, torch.float16)
-    w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
-    ranks = [16, 8, 16, 4, 12]
-    As, Bs = lora_stacks(g, S, R, K, outs, ranks, torch.float32)
-    slots = [t % S if t % 4 else -1 for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
-    rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
-
-    def run():
-        epi = ExpandEpilogue(None, Bs, mapping.token_slots, rank_dev, lora_a=As, meta=meta)
-        return decode_linear(x, w, lora=epi, tiles=tiles)
-
-    ys = [run() for _ in range(3)]
-    before = triton_decode_linear.shrink_fallbacks(x.device)
-    monkeypatch.setattr(triton_decode_linear, "SPIN_LIMIT", 0)
-    ys.append(run())
-    assert triton_decode_linear.shrink_fallbacks(x.device) > before  # the fallback ran
-    assert all(torch.equal(ys[0], y) for y in ys[1:])
-    buf = lora_shrink(x, As, meta, rank_dev, R)
-    ref = decode_linear(x, w, lora=ExpandEpilogue(buf, Bs, mapping.token_slots, rank_dev), tiles=tiles)
-    assert rel_err(ys[0], ref) < 2e-3  # the two-launch form: the same math, K chunked differently
-    assert not torch.equal(ys[0], decode_linear(x, w, tiles=tiles))
-    sync = triton_utils._PERSISTENT[("decode_linear/shrink_sync", x.device, torch.int32)]
-    assert sync and all(int(counters[0]) == 0 and int(counters[32]) == 0 for counters in sync)
 
 
 def test_supports_refuses_what_it_cannot_do():

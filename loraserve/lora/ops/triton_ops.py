@@ -28,8 +28,8 @@ class TritonLoRAOps:
         # where the shrink's split-K partials are summed: in the shrink (its last split, through an atomic
         # counter), the default, or in the loads of the expand (or of decode_linear's epilogue):
         # LORASERVE_SHRINK_REDUCE=0. Session 6 (H200, Llama-8B, 32 tokens, 8 adapters, CUDA graphs):
-        # LoRA cost per layer 31.2 µs summed in the shrink vs 40.1 summed by decode_linear's epilogue,
-        # whose every program (once per wave) paid for the 16 plane loads after its K loop
+        # LoRA cost per layer 31.0 µs summed in the shrink vs 33.5 summed by decode_linear's epilogue,
+        # whose every program (once per wave) pays for the 16 plane loads after its K loop
         self.shrink_reduces = os.environ.get("LORASERVE_SHRINK_REDUCE", "1") == "1"
         # id(ranks list) -> (the list, its contents when copied, int32 device copy). Layers keep their
         # ``slot_ranks`` list for life, so the id is stable; holding the list keeps the id unique.
@@ -83,9 +83,8 @@ class TritonLoRAOps:
         meta: SegmentMeta,
         token_slots: torch.Tensor,
     ) -> torch.Tensor | None:
-        """x W^T + b + the per-token LoRA delta in one launch (``decode_linear`` computes the shrink and the
-        expand around its GEMM; LORASERVE_FUSE_SHRINK=0: two launches, the shrink then the GEMM with the
-        expand in its epilogue, PDL-overlapped), or None where ``decode_linear`` does not apply (too many
+        """x W^T + b + the per-token LoRA delta as two launches (shrink, then the GEMM with the expand
+        in its epilogue, PDL-overlapped), or None where ``decode_linear`` does not apply (too many
         tokens, fp32, slices that are not multiples of its column block): the caller then runs the
         GEMM and ``add_lora_linear``. Same numbers as that path (decode_linear.py's docstring)."""
         if meta is None or not self.fuses_linear:
@@ -98,11 +97,6 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
-        if decode.fuses_shrink():
-            epilogue = decode.ExpandEpilogue(
-                None, lora_b_stacked, token_slots, rank_dev, lora_a=lora_a_stacked, meta=meta
-            )
-            return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces)
         # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no
         # segment the shrink is not launched and the GEMM must be an ordinary launch

@@ -11,7 +11,7 @@ counter) sums the planes in plane order, up to 16 independent loads at a time, a
 to plane 0 (``reduce=True``, the engine's default); or (LORASERVE_SHRINK_REDUCE=0) each split keeps
 its plane and the reader (the expand, or decode_linear's epilogue) sums them the same way while
 loading. Either is deterministic and needs no zeroing. Summing here measured cheaper at decode
-(H200, Llama-8B, 32 tokens, 8 adapters: 31.2 vs 40.1 µs of LoRA cost per layer, BENCHMARKS.md
+(H200, Llama-8B, 32 tokens, 8 adapters: 31.0 vs 33.5 µs of LoRA cost per layer, BENCHMARKS.md
 session 6): decode_linear's epilogue runs once per wave of its programs, after the K loop, where
 the plane loads are latency nobody hides; here they are one program's tail per group.
 
