@@ -68,6 +68,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--lora-dtype",
         default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
         help="auto (float32, PEFT's numbers) | bfloat16 | float16 (adapters in that dtype: faster on the GPU)",
     )
     g.add_argument(

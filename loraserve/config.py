@@ -151,7 +151,10 @@ class LoRAConfig:
     def resolved_dtype(self) -> torch.dtype:
         if self.lora_dtype == "auto":
             return torch.float32
-        return resolve_dtype(self.lora_dtype, None, torch.device("cpu"))
+        try:
+            return resolve_dtype(self.lora_dtype, None, torch.device("cpu"))
+        except ConfigError as e:
+            raise ConfigError(f"lora_dtype (--lora-dtype): {e}") from None
 
 
 @dataclass

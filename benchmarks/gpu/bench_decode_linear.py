@@ -9,6 +9,8 @@ device-to-device copy measured in the same run.
 
     python benchmarks/gpu/bench_decode_linear.py                # the table (default tiles)
     python benchmarks/gpu/bench_decode_linear.py --tune         # the tile sweep at M = 32 first
+    python benchmarks/gpu/bench_decode_linear.py --matrix       # the LoRA cost per op under each knob (MATRIX)
+    python benchmarks/gpu/bench_decode_linear.py --lora-tune    # the fused LoRA op's time per tile config
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def bench_parts(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) ->
     fused op's LoRA cost is the shrink launch and which the epilogue."""
     rank_dev = ops.ranks_tensor(case.ranks)
     R = case.As[0][0].shape[2]
-    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, R) for A in case.As]
+    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces) for A in case.As]
 
     def shrink_then_gemm():
         for w, A in zip(case.ws, case.As):
@@ -169,7 +171,8 @@ PARTS = ("default", "bf16 LoRA")  # configs whose cost is also split into shrink
 
 
 def matrix(layers: int) -> list[dict]:
-    """LoRA cost per Llama-8B op at 32 tokens (fp32 adapters, 8 mixed), unfused and fused, per knob."""
+    """LoRA cost per Llama-8B op at 32 tokens (8 adapters mixed; fp32 unless a knob says bf16), unfused and
+    fused, per knob of MATRIX."""
     from loraserve.lora.ops.triton import lora_expand as expand_mod
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 

@@ -19,7 +19,7 @@ NOTE: the shrink inside this launch was tried (session 6, commit 71c6a33): the f
 one per SM, computed the shrink's units before their K loop and published them through an atomic
 counter that every program waited on after its own K loop (with a fallback against starvation). It
 removed a launch per op but measured slower (H200, Llama-8B shapes, 32 tokens, 8 fp32 adapters: 42
-vs 31 µs of LoRA cost per layer; the end-to-end step the same): the units' loads of A delayed the
+vs 31 µs of LoRA cost per layer; the 8-adapter step 6.34 vs 5.97 ms): the units' loads of A delayed the
 first wave's stream of W, where a shrink launch's A loads overlap the previous kernel's tail. It was
 removed; a GEMM whose warps specialize (some stream W while others run the shrink) could revive it.
 

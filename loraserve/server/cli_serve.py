@@ -79,6 +79,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument(
         "--lora-dtype",
         default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
         help="auto (float32, PEFT's numbers) | bfloat16 | float16 (adapters in that dtype: faster on the GPU)",
     )
     g.add_argument(

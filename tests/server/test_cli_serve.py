@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loraserve.cli import build_parser
 from loraserve.config import ConfigError
@@ -92,3 +93,17 @@ def test_make_app_loads_the_lora_modules(files):
     assert server.model_name == "tiny-llama"
     assert list(server.engine.adapters.snapshot()) == ["a0"]
     assert server.engine.engine.lora_manager is not None
+
+
+def test_lora_dtype_reaches_the_engine_config(tmp_path):
+    """`generate --lora-dtype` reaches LoRAConfig; a value not in the choices fails at parse time."""
+    from loraserve.cli import _make_llm
+    from tests.helpers import make_tiny_model
+
+    make_tiny_model(tmp_path / "m")
+    args = build_parser().parse_args(["generate", "hi", "--model", str(tmp_path / "m"), "--device", "cpu",
+                                      "--lora", f"a={tmp_path}", "--lora-dtype", "bfloat16"])  # fmt: skip
+    llm = _make_llm(args)
+    assert llm.config.lora.resolved_dtype() == torch.bfloat16
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--lora-dtype", "bf17"])

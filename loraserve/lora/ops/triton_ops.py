@@ -29,8 +29,8 @@ class TritonLoRAOps:
         # counter), the default, or in the loads of the expand (or of decode_linear's epilogue):
         # LORASERVE_SHRINK_REDUCE=0. Session 6 (H200, Llama-8B, 32 tokens, 8 adapters, CUDA graphs):
         # LoRA cost per layer 31.0 µs summed in the shrink vs 33.5 summed by decode_linear's epilogue,
-        # whose every program (once per wave) pays for the 16 plane loads after its K loop
-        self.shrink_reduces = os.environ.get("LORASERVE_SHRINK_REDUCE", "1") == "1"
+        # whose every program (once per wave) pays for the plane loads (up to 16 at a time) after its K loop
+        self.shrink_reduces = os.environ.get("LORASERVE_SHRINK_REDUCE", "1") != "0"
         # id(ranks list) -> (the list, its contents when copied, int32 device copy). Layers keep their
         # ``slot_ranks`` list for life, so the id is stable; holding the list keeps the id unique.
         self._ranks: dict[int, tuple[list[int], tuple[int, ...], torch.Tensor]] = {}

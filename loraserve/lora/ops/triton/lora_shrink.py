@@ -201,8 +201,8 @@ def lora_shrink(
 ) -> torch.Tensor:
     """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (P, n_slices, T, R) fp32 whose planes sum to x @ A_i[slot]^T.
 
-    ``reduce``: the kernel sums its split-K partials itself, P = 1 (what decode_linear's epilogue
-    needs); else P = the split and ``lora_expand`` sums the planes while loading them.
+    ``reduce``: the kernel sums its split-K partials itself, P = 1 (the engine's default); else P = the
+    split and the reader (``lora_expand``, decode_linear's epilogue) sums the planes while loading them.
     Only rows of tokens with a slot and columns r < ranks[slot] are written; ``lora_expand`` reads
     exactly those.
     """
