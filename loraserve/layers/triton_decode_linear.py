@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import compute_dtype_of, persistent_buffer, tl_dtype
+from loraserve.lora.ops.triton.utils import compute_dtype_of, persistent_buffer, sum_planes, tl_dtype
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 
@@ -255,13 +255,8 @@ def _epilogue(
             if USE_PDL:
                 # launched while the shrink runs (PDL): its partials are read only after it has finished
                 tl.extra.cuda.gdc_wait()
-            # h (BLOCK_M, BLOCK_R): each token's own s, its split-K planes summed in plane order, RED
-            # independent small loads at a time (one L2 round trip, not one per plane); unrolled loads of
-            # whole (BLOCK_M, C) planes were staged in shared memory (704 KB, OutOfResources)
-            h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for p0 in range(0, SPLIT_K, RED):
-                for j in tl.static_range(RED):
-                    h += tl.load(h_ptrs + (p0 + j) * stride_bsp, mask=h_mask & (p0 + j < SPLIT_K), other=0.0)
+            # h (BLOCK_M, BLOCK_R): each token's own s, its split-K planes (if any are left) summed
+            h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False)
             delta = _expand_chunk(delta, b, h, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
         y = (y.to(tl.float32) + delta).to(out_dt)
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype, use_pdl
+from loraserve.lora.ops.triton.utils import compute_dtype_of, sum_planes, tl_dtype, use_pdl
 from loraserve.lora.punica import SegmentMeta
 
 
@@ -128,14 +128,7 @@ def _lora_expand_kernel(
     # (BLOCK_M, BLOCK_R): the shrink's partials, summed in fp32, then rounded to B's dtype
     h_ptrs = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
     h_mask = m_mask[:, None] & r_mask[None, :]
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    # NOTE: RED independent loads issued together, one L2 round trip for up to RED planes, summed in
-    # plane order (the same bits whatever BLOCK_M). One load per plane in a runtime loop was one round
-    # trip each: the shrink splits K 16-56 ways at decode sizes.
-    for p0 in range(0, SPLIT_K, RED):
-        for j in tl.static_range(RED):
-            h += tl.load(h_ptrs + (p0 + j) * stride_bsp, mask=h_mask & (p0 + j < SPLIT_K), other=0.0)
-    h = h.to(WDT).to(CDT)
+    h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False).to(WDT).to(CDT)
 
     if IEEE:
         delta = tl.dot(h, w.to(CDT), input_precision="ieee")

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import compute_dtype_of, persistent_buffer, tl_dtype, use_pdl
+from loraserve.lora.ops.triton.utils import compute_dtype_of, persistent_buffer, sum_planes, tl_dtype, use_pdl
 from loraserve.lora.punica import SegmentMeta
 
 
@@ -139,26 +139,16 @@ def _lora_shrink_kernel(
             acc += _dot(xt, at, CDT, IEEE)
     out = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]  # plane 0
     out_mask = m_mask[:, None] & r_mask[None, :]
-    if not REDUCE:
-        tl.store(out + split * stride_bsp, acc, mask=out_mask)
-    else:
+    tl.store(out + split * stride_bsp, acc, mask=out_mask)
+    if REDUCE:
         # NOTE: the semaphore pattern of decode_linear's split-K: all threads' stores, a CTA barrier, one
         # acq_rel atomic at GPU scope; the last arrival reads the planes past L1 (.cg, not coherent across
         # SMs), in plane order whoever it is, and puts the counter back to zero for the next launch
-        tl.store(out + split * stride_bsp, acc, mask=out_mask)
         tl.debug_barrier()
         group = ((sl * NUM_RBLOCKS + rblock) * tl.num_programs(1) + pid_m) * S + seg
         arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for p0 in range(0, SPLIT_K, RED):
-                # RED independent loads issued together (one round trip), summed in plane order: the
-                # same bits whatever the tile shape (a tl.sum's order follows the layout, which does not)
-                for j in tl.static_range(RED):
-                    total += tl.load(
-                        out + (p0 + j) * stride_bsp, mask=out_mask & (p0 + j < SPLIT_K), other=0.0, cache_modifier=".cg"
-                    )
-            tl.store(out, total, mask=out_mask)
+            tl.store(out, sum_planes(out, out_mask, SPLIT_K, stride_bsp, RED, True), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
 
 

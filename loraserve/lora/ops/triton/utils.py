@@ -6,6 +6,7 @@ import functools
 import os
 
 import torch
+import triton
 import triton.language as tl
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -44,6 +45,29 @@ def compute_dtype_of(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
     tl_dtype(x_dtype)
     tl_dtype(w_dtype)
     return w_dtype
+
+
+@triton.jit
+def sum_planes(ptrs, mask, n_planes, plane_stride, RED: tl.constexpr, PAST_L1: tl.constexpr):
+    """The sum over p < n_planes of the (masked) tiles at ptrs + p * plane_stride, in fp32, in plane order.
+
+    The split-K planes of the LoRA shrink, summed by whoever reads them (the shrink's last split, the
+    expand, decode_linear's epilogue). RED loads are issued together: one L2 round trip for up to RED
+    planes, where one load per plane in a runtime loop paid one each (the shrink splits K 16-56 ways at
+    decode sizes); unrolling all planes made the compiler stage them in shared memory (704 KB,
+    OutOfResources). Plane order whatever the tile shape gives the same bits (a tl.sum's order follows
+    the layout). PAST_L1 (.cg): the planes were written by other SMs during this launch, and L1 is not
+    coherent across SMs.
+    """
+    total = tl.zeros(ptrs.shape, dtype=tl.float32)
+    for p0 in range(0, n_planes, RED):
+        for j in tl.static_range(RED):
+            m = mask & (p0 + j < n_planes)
+            if PAST_L1:
+                total += tl.load(ptrs + (p0 + j) * plane_stride, mask=m, other=0.0, cache_modifier=".cg")
+            else:
+                total += tl.load(ptrs + (p0 + j) * plane_stride, mask=m, other=0.0)
+    return total
 
 
 _PERSISTENT: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
