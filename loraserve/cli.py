@@ -40,6 +40,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from loraserve.server.cli_serve import LORA_DTYPES  # light: argparse only
+
     _add_model_args(p)
     g = p.add_argument_group("engine")
     g.add_argument(
@@ -68,7 +70,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--lora-dtype",
         default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=LORA_DTYPES,
         help="auto (float32, PEFT's numbers) | bfloat16 | float16 (adapters in that dtype: faster on the GPU)",
     )
     g.add_argument(

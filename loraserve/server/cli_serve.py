@@ -11,6 +11,8 @@ import argparse
 import logging
 from pathlib import Path
 
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --lora-dtype (generate, chat, serve); auto = float32
+
 DEMO_ADAPTERS = Path(__file__).resolve().parents[1] / "demo_adapters"
 
 
@@ -79,7 +81,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument(
         "--lora-dtype",
         default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=LORA_DTYPES,
         help="auto (float32, PEFT's numbers) | bfloat16 | float16 (adapters in that dtype: faster on the GPU)",
     )
     g.add_argument(
