@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from loraserve.forward_context import AttentionMetadata
+from loraserve.lora.ops.triton.utils import trigger_dependents
 
 _LOG2E = 1.4426950408889634
 
@@ -51,7 +52,10 @@ def _paged_attention_kernel(
     IS_DECODE: tl.constexpr,
     SLIDING: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: true fp32 products (no tf32), as the reference
+    TRIGGER: tl.constexpr,  # a LoRA shrink after us (o_proj's) may launch now (PDL): it waits for us
 ):
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     item = tl.program_id(0)
     kvh = tl.program_id(1)
     if IS_DECODE:
@@ -196,6 +200,6 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         G=G, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=block_d, IS_DECODE=decode, SLIDING=sliding_window is not None, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        TRIGGER=trigger_dependents(q.device), num_warps=4, num_stages=2,
     )  # fmt: skip
     return out

@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import compute_dtype_of, persistent_buffer, sum_planes, tl_dtype
+from loraserve.lora.ops.triton.expand_block import block_delta, slots_per_chunk
+from loraserve.lora.ops.triton.utils import compute_dtype_of, persistent_buffer, tl_dtype, trigger_dependents
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 
@@ -120,71 +121,6 @@ def prefer_over_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _lora_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1,
-                NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """(slice, its B, B's slot stride, first column within the slice) of this program's column block
-    (block_n divides every slice, so one slice per program)."""
-    # NOTE: `pid_n * 0 + c`: every branch of a runtime `if` must give a variable the same type
-    col0 = pid_n * BLOCK_N
-    if NUM_SLICES == 1:
-        sl = pid_n * 0
-        b_ptr = b0_ptr
-        stride_ws = stride_ws0
-        n_loc0 = col0
-    else:
-        if col0 < N0:
-            sl = pid_n * 0
-            b_ptr = b0_ptr
-            stride_ws = stride_ws0
-            n_loc0 = col0
-        elif col0 < N0 + N1:
-            sl = pid_n * 0 + 1
-            b_ptr = b1_ptr
-            stride_ws = stride_ws1
-            n_loc0 = col0 - N0
-        else:
-            sl = pid_n * 0 + 2
-            b_ptr = b2_ptr
-            stride_ws = stride_ws2
-            n_loc0 = col0 - N0 - N1
-    return sl, b_ptr, stride_ws, n_loc0
-
-
-@triton.jit
-def _lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr):  # fmt: skip
-    """(BLOCK_N, C) B of slots chunk .. chunk + SLOTS_PER_CHUNK for this program's columns: column c is
-    slot chunk + c // BLOCK_R, rank index c % BLOCK_R."""
-    offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
-    c_r = offs_c % BLOCK_R
-    c_j = chunk + offs_c // BLOCK_R
-    loc_n = n_loc0 + tl.arange(0, BLOCK_N)
-    # B's columns past a slot's rank are read unmasked along r (they multiply zeros in s)
-    return tl.load(
-        b_ptr + c_j[None, :] * stride_ws + loc_n[:, None] * R + c_r[None, :],
-        mask=((c_r < R) & (c_j < S))[None, :],
-        other=0.0,
-    )
-
-
-@triton.jit
-def _expand_chunk(delta, b, h, slot, chunk, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                  SLOTS_PER_CHUNK: tl.constexpr, LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr,
-                  LORA_IEEE: tl.constexpr):  # fmt: skip
-    """delta (BLOCK_N, BLOCK_M) += B_chunk s^T, s (BLOCK_M, C) = each token's h in its own slot's columns."""
-    offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
-    c_j = chunk + offs_c // BLOCK_R
-    hx = tl.reshape(tl.broadcast_to(h[:, None, :], (BLOCK_M, SLOTS_PER_CHUNK, BLOCK_R)), (BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R))
-    sx = tl.where(slot[:, None] == c_j[None, :], hx, 0.0)
-    sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
-    if LORA_IEEE:
-        delta += tl.dot(b.to(LORA_CDT), tl.trans(sx), input_precision="ieee")
-    else:
-        delta += tl.dot(b.to(LORA_CDT), tl.trans(sx))
-    return delta
-
-
-@triton.jit
 def _epilogue(
     acc,
     pid_n,
@@ -234,30 +170,13 @@ def _epilogue(
     y = acc.to(out_dt)  # (BLOCK_N, BLOCK_M): the base output, rounded as cuBLAS's would be
 
     if HAS_LORA:
-        sl, b_ptr, stride_ws, n_loc0 = _lora_slice(
-            pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N
-        )
         # NOTE: slots, ranks and B are loaded here, after the K loop: loaded before it (held in registers
         # across the loop) they cost gate_up 21.4 instead of 12.8 µs of LoRA (session 6, H200, 8 slots)
-        slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)  # (BLOCK_M,)
-        rank = tl.load(rank_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)  # (BLOCK_M,)
-        # NOTE: the whole chunk of slots is ONE load of B and ONE MMA: s is expanded to (tokens, slots x r)
-        # with zeros outside each token's own slot, so each token meets only its own B. A loop of one
-        # small MMA per slot paid a DRAM round trip per slot in every wave of programs (LoRA cost of gate_up,
-        # 3.4 waves: 24 µs, then 14 with this; o, one wave: 7.0, then 5.8; H200, 32 tokens, 8 slots).
-        offs_r = tl.arange(0, BLOCK_R)
-        h_ptrs = buf_ptr + sl * stride_bi + offs_m[:, None] * stride_bm + offs_r[None, :]
-        # rows of base tokens (rank 0) and columns past each token's rank stay zero (buf is not written there)
-        h_mask = m_mask[:, None] & (offs_r[None, :] < rank[:, None])
-        delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for chunk in range(0, S, SLOTS_PER_CHUNK):
-            b = _lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
-            if USE_PDL:
-                # launched while the shrink runs (PDL): its partials are read only after it has finished
-                tl.extra.cuda.gdc_wait()
-            # h (BLOCK_M, BLOCK_R): each token's own s, its split-K planes (if any are left) summed
-            h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False)
-            delta = _expand_chunk(delta, b, h, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
+        delta = block_delta(
+            pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr, S, SPLIT_K, N0, N1,
+            stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+            R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+        )  # fmt: skip
         y = (y.to(tl.float32) + delta).to(out_dt)
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -319,8 +238,12 @@ def _decode_linear_kernel(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    TRIGGER: tl.constexpr,  # let a PDL dependent (the next LoRA kernel) launch now; it waits for us to finish
+    WAIT_AT_END: tl.constexpr,  # a PDL dependent of the shrink that reads only x: wait for the shrink before exiting
 ):
     pid = tl.program_id(0)
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_W == 1:
         pid_n = pid
         k_lo = pid * 0
@@ -383,6 +306,10 @@ def _decode_linear_kernel(
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
                 LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
+    if WAIT_AT_END:
+        # the expand after us waits for this grid only (PDL): finishing after the shrink makes its wait
+        # cover the shrink's buf too (the shrink is long done by the end of the K loop: this costs nothing)
+        tl.extra.cuda.gdc_wait()
 
 
 def _block_m(M: int) -> int:
@@ -414,10 +341,14 @@ def decode_linear(
     bias: torch.Tensor | None = None,
     lora: ExpandEpilogue | None = None,
     tiles: DecodeTiles | None = None,
+    after_shrink: bool = False,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ weight (N, K)^T (+ bias) (+ the LoRA delta of ``lora``), in x's dtype.
 
     M <= MAX_TOKENS (a decode step); x and weight bf16/fp16, contiguous along K (``supports`` says which).
+    ``after_shrink`` (no ``lora``): launched as a PDL dependent of a ``lora_shrink`` of the same x, whose
+    partials the ``lora_expand_dense`` launched after this reads: the GEMM starts while the shrink runs
+    (it reads only x, which the shrink waited for) and waits for the shrink before it exits.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -457,13 +388,13 @@ def decode_linear(
             b0.stride(0), b1.stride(0), b2.stride(0),
         )  # fmt: skip
         block_r = max(16, triton.next_power_of_2(R))
-        # slots per chunk: up to 128 columns of (slot, r) per MMA (at least one slot)
-        per_chunk = max(1, min(triton.next_power_of_2(b0.shape[0]), 128 // block_r))
+        per_chunk = slots_per_chunk(b0.shape[0], block_r)
         lora_consts = dict(
             R=R, NUM_SLICES=n_sl, BLOCK_R=block_r, SLOTS_PER_CHUNK=per_chunk, RED=min(triton.next_power_of_2(split), 16), LORA_WDT=tl_dtype(b0.dtype),
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl
+    assert not (after_shrink and lora is not None), "after_shrink: the delta is the expand's, not this epilogue's"
     block_m = _block_m(M)
     n_blocks = triton.cdiv(N, tiles.block_n)
     split = tiles.split_k
@@ -480,7 +411,8 @@ def decode_linear(
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
         EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
-        USE_PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
+        USE_PDL=pdl, TRIGGER=trigger_dependents(x.device), WAIT_AT_END=after_shrink,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl or after_shrink,
         **lora_consts,
     )  # fmt: skip
     return y

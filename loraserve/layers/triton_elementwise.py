@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import tl_dtype
+from loraserve.lora.ops.triton.utils import tl_dtype, trigger_dependents
 
 
 @triton.jit
@@ -50,7 +50,9 @@ def _rms_norm_row(x, w_ptr, offs, mask, N, eps):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:  # a LoRA shrink after us may launch now (PDL): it waits for us before reading out
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -61,8 +63,11 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: t
 
 @triton.jit
 def _fused_add_rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_x, stride_r, stride_o, stride_ro, N, eps, BLOCK: tl.constexpr
+    x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_x, stride_r, stride_o, stride_ro, N, eps, BLOCK: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:  # a LoRA shrink after us may launch now (PDL): it waits for us before reading out
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -99,7 +104,7 @@ def fused_add_rms_norm(
         block = triton.next_power_of_2(N)
         _fused_add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), N, eps,
-            BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            BLOCK=block, TRIGGER=trigger_dependents(x.device), num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
     return out.view(x.shape), r_out.view(x.shape)
 
@@ -115,13 +120,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         block = triton.next_power_of_2(N)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, out, x2.stride(0), out.stride(0), N, eps, BLOCK=block, num_warps=min(16, max(1, block // 256))
-        )
+            x2, weight, out, x2.stride(0), out.stride(0), N, eps, BLOCK=block, TRIGGER=trigger_dependents(x.device),
+            num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
     return out.view(*x.shape[:-1], N)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:  # a LoRA shrink after us may launch now (PDL): it waits for us before reading out
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -143,7 +151,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(D))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(D, block))](
-            x2, out, x2.stride(0), out.stride(0), D, BLOCK=block, num_warps=4
+            x2, out, x2.stride(0), out.stride(0), D, BLOCK=block, TRIGGER=trigger_dependents(x.device), num_warps=4
         )
     return out.view(*x.shape[:-1], D)
 

@@ -27,6 +27,19 @@ def use_pdl(device: torch.device) -> bool:
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# the knob of trigger_dependents: LORASERVE_PDL_EARLY_TRIGGER=0 turns it off (a module attribute: --matrix sweeps it)
+TRIGGER_EARLY = os.environ.get("LORASERVE_PDL_EARLY_TRIGGER", "1") != "0"
+
+
+def trigger_dependents(device: torch.device) -> bool:
+    """Whether a kernel that a LoRA kernel may follow (the norms, SiLU-and-mul, attention, the decode
+    GEMM) lets its PDL dependent launch as soon as all its programs have started
+    (``gdc_launch_dependents`` first thing), instead of when they have all finished. The dependent (a
+    shrink) then loads its A while this kernel runs and waits (``gdc_wait``) for it to finish before
+    reading its output; a successor launched without PDL is not affected."""
+    return TRIGGER_EARLY and use_pdl(device)
+
+
 @functools.cache
 def _pdl_on(index: int) -> bool:
     return os.environ.get("LORASERVE_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
