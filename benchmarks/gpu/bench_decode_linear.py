@@ -27,7 +27,6 @@ from triton.testing import do_bench
 from loraserve.layers import triton_decode_linear as dl
 from loraserve.lora.ops import triton_ops
 from loraserve.lora.ops.triton import utils as triton_utils
-from loraserve.lora.ops.triton.lora_expand_dense import lora_expand_dense
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton_ops import TritonLoRAOps
 from loraserve.lora.punica import LoRAMapping
@@ -132,13 +131,8 @@ def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> 
     def fused():  # the engine's path (TritonLoRAOps.linear_with_lora), with these tiles
         for w, A, B in zip(case.ws, case.As, case.Bs):
             buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces)
-            pdl = ops_pdl(case.x.device)
-            if ops.expand_after_gemm:
-                y = dl.decode_linear(case.x, w, tiles=tiles, after_shrink=pdl)
-                lora_expand_dense(y, buf, B, case.mapping.token_slots, rank_dev)
-            else:
-                epi = dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev, pdl=pdl)
-                dl.decode_linear(case.x, w, lora=epi, tiles=tiles)
+            epi = dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev, pdl=ops_pdl(case.x.device))
+            dl.decode_linear(case.x, w, lora=epi, tiles=tiles)
 
     return graph_us(unfused, len(case.ws)), graph_us(fused, len(case.ws))
 
@@ -168,13 +162,12 @@ def ops_pdl(device) -> bool:
 
 MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a time against the default
     "default": ("a lora_shrink launch that sums its splits, then the GEMM with the expand in its epilogue (PDL)", {}),
-    "no early trigger": ("the kernel before the shrink lets it launch only when it ends", {"trigger": False}),
-    "expand after GEMM": ("the delta in a launch of its own after the GEMM (lora_expand_dense)", {"expand_after": True}),
+    "no PDL chain": ("the kernel before the shrink (here the GEMM) lets it launch only when it ends", {"chain": False}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
-    "expand after, bf16": ("both of the above", {"expand_after": True, "lora_dtype": torch.bfloat16}),
     "no PDL": ("two ordinary launches", {"pdl": False}),
-    # measured in session 6 and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False},
-    # "no A prefetch" {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)}
+    # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
+    # {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)} (session 6); the delta in a launch
+    # of its own after the GEMM (session 7, commit bfb8465)
 }
 PARTS = ("default",)  # configs whose cost is also split into shrink and epilogue
 
@@ -183,7 +176,6 @@ def matrix(layers: int) -> list[dict]:
     """LoRA cost per Llama-8B op at 32 tokens (8 adapters mixed; fp32 unless a knob says bf16), unfused and
     fused, per knob of MATRIX."""
     from loraserve.lora.ops.triton import lora_expand as expand_mod
-    from loraserve.lora.ops.triton import lora_expand_dense as dense_mod
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
     rows = []
@@ -194,17 +186,16 @@ def matrix(layers: int) -> list[dict]:
         base[name] = bench_base(case, tiles)
         del case
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.TRIGGER_EARLY)  # fmt: skip
+             triton_utils.PDL_CHAIN)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if knobs.get("pdl") is False:
-            shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = dense_mod.use_pdl = lambda device: False
-            knobs = {**knobs, "trigger": False}
+            shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = lambda device: False
+            knobs = {**knobs, "chain": False}
         shrink_mod.PREFETCH_A = knobs.get("prefetch", saved[3])
         shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
-        triton_utils.TRIGGER_EARLY = knobs.get("trigger", saved[5])
+        triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
-        ops.expand_after_gemm = knobs.get("expand_after", False)
         for name, K, slices in SHAPES["llama-8b"][:4]:
             lc = Case(K, slices, 32, layers, lora_dtype=knobs.get("lora_dtype", torch.float32))
             tiles = dl.default_tiles(32, lc.N, K, torch.bfloat16)
@@ -221,8 +212,7 @@ def matrix(layers: int) -> list[dict]:
                   f"{t_fus:.1f} | {t_fus - t_ours:.1f} | {err:.1e} |", flush=True)  # fmt: skip
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
-        dense_mod.use_pdl = saved[1]
-        shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.TRIGGER_EARLY = saved[3:6]
+        shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN = saved[3:6]
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

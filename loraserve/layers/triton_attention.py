@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from loraserve.forward_context import AttentionMetadata
-from loraserve.lora.ops.triton.utils import trigger_dependents
+from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link
 
 _LOG2E = 1.4426950408889634
 
@@ -52,10 +52,10 @@ def _paged_attention_kernel(
     IS_DECODE: tl.constexpr,
     SLIDING: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: true fp32 products (no tf32), as the reference
-    TRIGGER: tl.constexpr,  # a LoRA shrink after us (o_proj's) may launch now (PDL): it waits for us
+    PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
 ):
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL_CHAIN:  # touches memory only after its wait
+        pdl_link(True)
     item = tl.program_id(0)
     kvh = tl.program_id(1)
     if IS_DECODE:
@@ -192,6 +192,7 @@ def paged_attention(
         n_items = work.shape[0]
     block_d = triton.next_power_of_2(D)
     block_n = 64 if block_d <= 128 and q.dtype != torch.float32 else 32
+    chain = pdl_chain(q.device)
     _paged_attention_kernel[(n_items, Hk)](
         q, k_cache, v_cache, out, si, bt, work,
         scale * _LOG2E, sliding_window or 0,
@@ -200,6 +201,6 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         G=G, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=block_d, IS_DECODE=decode, SLIDING=sliding_window is not None, IEEE=q.dtype == torch.float32,
-        TRIGGER=trigger_dependents(q.device), num_warps=4, num_stages=2,
+        PDL_CHAIN=chain, num_warps=4, num_stages=2, launch_pdl=chain,
     )  # fmt: skip
     return out

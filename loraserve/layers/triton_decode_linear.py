@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from loraserve.lora.ops.triton.expand_block import block_delta, slots_per_chunk
-from loraserve.lora.ops.triton.utils import compute_dtype_of, persistent_buffer, tl_dtype, trigger_dependents
+from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, pdl_link, persistent_buffer, tl_dtype
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 
@@ -238,12 +238,12 @@ def _decode_linear_kernel(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    TRIGGER: tl.constexpr,  # let a PDL dependent (the next LoRA kernel) launch now; it waits for us to finish
-    WAIT_AT_END: tl.constexpr,  # a PDL dependent of the shrink that reads only x: wait for the shrink before exiting
+    PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
+    WAIT_FIRST: tl.constexpr,  # (PDL_CHAIN) wait for the kernel before us before reading x
 ):
     pid = tl.program_id(0)
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL_CHAIN:
+        pdl_link(WAIT_FIRST)
     if SPLIT_W == 1:
         pid_n = pid
         k_lo = pid * 0
@@ -306,10 +306,6 @@ def _decode_linear_kernel(
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
                 LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
-    if WAIT_AT_END:
-        # the expand after us waits for this grid only (PDL): finishing after the shrink makes its wait
-        # cover the shrink's buf too (the shrink is long done by the end of the K loop: this costs nothing)
-        tl.extra.cuda.gdc_wait()
 
 
 def _block_m(M: int) -> int:
@@ -341,14 +337,10 @@ def decode_linear(
     bias: torch.Tensor | None = None,
     lora: ExpandEpilogue | None = None,
     tiles: DecodeTiles | None = None,
-    after_shrink: bool = False,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ weight (N, K)^T (+ bias) (+ the LoRA delta of ``lora``), in x's dtype.
 
     M <= MAX_TOKENS (a decode step); x and weight bf16/fp16, contiguous along K (``supports`` says which).
-    ``after_shrink`` (no ``lora``): launched as a PDL dependent of a ``lora_shrink`` of the same x, whose
-    partials the ``lora_expand_dense`` launched after this reads: the GEMM starts while the shrink runs
-    (it reads only x, which the shrink waited for) and waits for the shrink before it exits.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -394,7 +386,7 @@ def decode_linear(
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl
-    assert not (after_shrink and lora is not None), "after_shrink: the delta is the expand's, not this epilogue's"
+    chain = pdl_chain(x.device)
     block_m = _block_m(M)
     n_blocks = triton.cdiv(N, tiles.block_n)
     split = tiles.split_k
@@ -411,8 +403,10 @@ def decode_linear(
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
         EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
-        USE_PDL=pdl, TRIGGER=trigger_dependents(x.device), WAIT_AT_END=after_shrink,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl or after_shrink,
+        # NOTE: as the shrink's dependent (USE_PDL) we may read x at once: the shrink waited for it before
+        # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
+        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        launch_pdl=pdl or chain,
         **lora_consts,
     )  # fmt: skip
     return y

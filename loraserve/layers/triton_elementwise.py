@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import tl_dtype, trigger_dependents
+from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, tl_dtype
 
 
 @triton.jit
@@ -50,9 +50,9 @@ def _rms_norm_row(x, w_ptr, offs, mask, N, eps):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
-    if TRIGGER:  # a LoRA shrink after us may launch now (PDL): it waits for us before reading out
-        tl.extra.cuda.gdc_launch_dependents()
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr, PDL_CHAIN: tl.constexpr):
+    if PDL_CHAIN:  # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait
+        pdl_link(True)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -64,10 +64,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: t
 @triton.jit
 def _fused_add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_x, stride_r, stride_o, stride_ro, N, eps, BLOCK: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    PDL_CHAIN: tl.constexpr,
 ):
-    if TRIGGER:  # a LoRA shrink after us may launch now (PDL): it waits for us before reading out
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL_CHAIN:  # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait
+        pdl_link(True)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -102,9 +102,10 @@ def fused_add_rms_norm(
     r_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(N)
+        chain = pdl_chain(x.device)
         _fused_add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), N, eps,
-            BLOCK=block, TRIGGER=trigger_dependents(x.device), num_warps=min(16, max(1, block // 256)),
+            BLOCK=block, PDL_CHAIN=chain, num_warps=min(16, max(1, block // 256)), launch_pdl=chain,
         )  # fmt: skip
     return out.view(x.shape), r_out.view(x.shape)
 
@@ -119,17 +120,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(N)
+        chain = pdl_chain(x.device)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, out, x2.stride(0), out.stride(0), N, eps, BLOCK=block, TRIGGER=trigger_dependents(x.device),
-            num_warps=min(16, max(1, block // 256)),
+            x2, weight, out, x2.stride(0), out.stride(0), N, eps, BLOCK=block, PDL_CHAIN=chain,
+            num_warps=min(16, max(1, block // 256)), launch_pdl=chain,
         )  # fmt: skip
     return out.view(*x.shape[:-1], N)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
-    if TRIGGER:  # a LoRA shrink after us may launch now (PDL): it waits for us before reading out
-        tl.extra.cuda.gdc_launch_dependents()
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr, PDL_CHAIN: tl.constexpr):
+    if PDL_CHAIN:  # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait
+        pdl_link(True)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -150,8 +152,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], D, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(D))
+        chain = pdl_chain(x.device)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(D, block))](
-            x2, out, x2.stride(0), out.stride(0), D, BLOCK=block, TRIGGER=trigger_dependents(x.device), num_warps=4
+            x2, out, x2.stride(0), out.stride(0), D, BLOCK=block, PDL_CHAIN=chain, num_warps=4, launch_pdl=chain
         )
     return out.view(*x.shape[:-1], D)
 
@@ -240,8 +243,10 @@ def _rotary_kv_cache_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cs, stride_ch, stride_c, Hq, HALF, D,
-    ROT_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
+    ROT_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, PDL_CHAIN: tl.constexpr,
 ):  # fmt: skip
+    if PDL_CHAIN:  # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait
+        pdl_link(True)
     # grid (T, Hq + Hk): program (t, h) rotates q head h (h < Hq) into q_out, or k head h - Hq into the
     # cache row slot_mapping[t] and copies v head h - Hq there too
     t = tl.program_id(0).to(tl.int64)
@@ -312,11 +317,12 @@ def rotary_kv_cache(
     if T and Hq + Hk:
         half = rd // 2
         rest = D - rd
+        chain = pdl_chain(q.device)
         _rotary_kv_cache_kernel[(T, Hq + Hk)](
             q, k, v, out, k_cache, v_cache, cos, sin, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), cos.stride(0), Hq, half, D,
             ROT_BLOCK=triton.next_power_of_2(half), REST_BLOCK=triton.next_power_of_2(rest) if rest else 0,
-            D_BLOCK=triton.next_power_of_2(D), num_warps=1,
+            D_BLOCK=triton.next_power_of_2(D), PDL_CHAIN=chain, num_warps=1, launch_pdl=chain,
         )  # fmt: skip
     return out

@@ -23,7 +23,6 @@ from loraserve.layers.triton_decode_linear import (  # noqa: E402
     supports,
 )
 from loraserve.lora.ops import torch_ops  # noqa: E402
-from loraserve.lora.ops.triton.lora_expand_dense import lora_expand_dense  # noqa: E402
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink  # noqa: E402
 from loraserve.lora.ops.triton_ops import TritonLoRAOps  # noqa: E402
 from loraserve.lora.punica import LoRAMapping, SegmentMeta  # noqa: E402
@@ -119,22 +118,11 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces):
     lora_rows = [t for t, s in enumerate(slots) if s >= 0]
     assert not torch.equal(y[lora_rows], y0[lora_rows])
 
-    # the same delta as a launch of its own after the plain GEMM (lora_expand_dense): the same numbers
-    if xdt == torch.float32:
-        return  # lora_expand_dense takes half-precision layers (fp32 ones take cuBLAS + lora_expand)
-    y_after = decode_linear(x, w, b, tiles=tiles)
-    lora_expand_dense(y_after, buf, Bs, mapping.token_slots, rank_dev)
-    assert torch.equal(y_after[base_rows], y0[base_rows])
-    assert rel_err(y_after, ref) < tol
-    if tiles.block_n == 64:  # the same block of columns per MMA as the epilogue's: the same bits
-        assert torch.equal(y_after, y)
 
-
-@pytest.mark.parametrize("expand_after_gemm", [False, True], ids=["epilogue", "expand-after-gemm"])
 @pytest.mark.parametrize("n_lora_tokens", [0, 5])
-def test_linear_with_lora_paths_agree(expand_after_gemm, n_lora_tokens):
-    """TritonLoRAOps.linear_with_lora, delta in the GEMM's epilogue or in lora_expand_dense after it: both
-    equal the unfused path (GEMM, then add_lora_linear); a batch of base tokens only gets the base GEMM."""
+def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens):
+    """TritonLoRAOps.linear_with_lora (shrink, then the GEMM with the delta in its epilogue) equals the
+    unfused path (GEMM, then add_lora_linear); a batch of base tokens only gets the base GEMM's bits."""
     g = torch.Generator().manual_seed(n_lora_tokens)
     M, K, outs, S, R = 12, 256, (128, 64, 64), 4, 16
     ranks = [16, 8, 16, 4]
@@ -147,7 +135,6 @@ def test_linear_with_lora_paths_agree(expand_after_gemm, n_lora_tokens):
         mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
     )
     ops = TritonLoRAOps(DEV)
-    ops.expand_after_gemm = expand_after_gemm
     y = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
     assert y is not None, "decode sizes take the fused path"
     ref = decode_linear(x, w)

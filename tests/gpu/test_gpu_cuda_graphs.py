@@ -109,3 +109,39 @@ def test_graphs_apply_peft_extras_of_any_slot(tmp_path):
         lp_e = [d[t].logprob for d, t in zip(e.outputs[0].logprobs, e.outputs[0].token_ids)]
         lp_g = [d[t].logprob for d, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)]
         assert max(abs(a - b) for a, b in zip(lp_e, lp_g)) < 1e-4
+
+
+def test_pdl_chain_changes_no_bit(tmp_path, monkeypatch):
+    """The decode step's PDL chain (utils.pdl_chain: every small kernel and each LoRA op's shrink launched
+    while the kernel before it runs, each waiting before it touches memory) gives the same bits as
+    ordinary launches: bf16 (the decode GEMM and its LoRA epilogue take part), 3 adapters and a base
+    request in one batch, CUDA graphs. A link that read or wrote before its wait would race here."""
+    from helpers import make_peft_adapter
+
+    from loraserve import LoRARequest
+    from loraserve.lora.ops.triton import utils as triton_utils
+
+    base = tmp_path / "base"
+    make_tiny_model(base, "llama")
+    reqs = [
+        LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(base, tmp_path / f"a{i}", seed=i, r=8, lora_alpha=16,
+                                                          target_modules="all-linear")))  # fmt: skip
+        for i in range(3)
+    ]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8 + i, 9]} for i in range(8)]
+    loras = [reqs[i % 3] if i % 4 != 3 else None for i in range(8)]
+    out = {}
+    for chain in (True, False):
+        monkeypatch.setattr(triton_utils, "PDL_CHAIN", chain)
+        llm = LLM(str(base), device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=64,
+                  enable_lora=True, max_loras=4, max_lora_rank=8)  # fmt: skip
+        out[chain] = llm.generate(prompts, sp, lora_request=loras)
+        assert llm.engine.runner.graphs.stats["replays"] > 0
+        del llm
+    assert triton_utils.pdl_chain(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    for on, off in zip(out[True], out[False]):
+        assert on.outputs[0].token_ids == off.outputs[0].token_ids
+        lp_on = [d[t].logprob for d, t in zip(on.outputs[0].logprobs, on.outputs[0].token_ids)]
+        lp_off = [d[t].logprob for d, t in zip(off.outputs[0].logprobs, off.outputs[0].token_ids)]
+        assert lp_on == lp_off

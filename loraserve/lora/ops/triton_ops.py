@@ -15,7 +15,6 @@ import os
 import torch
 
 from loraserve.layers import triton_decode_linear as decode
-from loraserve.lora.ops.triton import lora_expand_dense
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
@@ -32,9 +31,6 @@ class TritonLoRAOps:
         # LoRA cost per layer 31.0 µs summed in the shrink vs 33.5 summed by decode_linear's epilogue,
         # whose every program (once per wave) pays for the plane loads (up to 16 at a time) after its K loop
         self.shrink_reduces = os.environ.get("LORASERVE_SHRINK_REDUCE", "1") != "0"
-        # where a decode step's fused LoRA op adds its delta: in decode_linear's epilogue, or in a launch of its
-        # own after the GEMM (lora_expand_dense, which loads B while the GEMM runs): LORASERVE_EXPAND_AFTER_GEMM=1
-        self.expand_after_gemm = os.environ.get("LORASERVE_EXPAND_AFTER_GEMM", "0") == "1"
         # id(ranks list) -> (the list, its contents when copied, int32 device copy). Layers keep their
         # ``slot_ranks`` list for life, so the id is stable; holding the list keeps the id unique.
         self._ranks: dict[int, tuple[list[int], tuple[int, ...], torch.Tensor]] = {}
@@ -105,11 +101,6 @@ class TritonLoRAOps:
         # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no
         # segment the shrink is not launched and the GEMM must be an ordinary launch
         pdl = use_pdl(x.device) and meta.num_segs > 0
-        if self.expand_after_gemm and lora_expand_dense.supports(x, lora_b_stacked):
-            y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
-            if meta.num_segs > 0:
-                lora_expand_dense.lora_expand_dense(y, buf, lora_b_stacked, token_slots, rank_dev)
-            return y
         epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, rank_dev, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
 

@@ -2,10 +2,14 @@
 
     delta (BLOCK_N, BLOCK_M) = sum over slots j of B_i[j][cols] @ s_j^T,  s_j = h of the tokens in slot j, 0 elsewhere
 
-Shared by the two places that add a decode step's delta: ``decode_linear``'s epilogue (after the GEMM's K
-loop, in the same program) and ``lora_expand_dense`` (a launch of its own after the GEMM). Both lay
-the block out transposed, columns along the MMA's M and the few tokens along its N, as decode_linear's
-accumulator is.
+What ``decode_linear``'s epilogue adds after its K loop, laid out transposed as its accumulator is
+(columns along the MMA's M, the few tokens along its N).
+
+NOTE: the same delta in a launch of its own after the GEMM (``lora_expand_dense``, chained by PDL and
+loading B while the GEMM ran) was measured slower (session 7, H200, Llama-8B, 32 tokens, 8 fp32
+adapters: 36.4 vs 23.8 µs of LoRA cost per layer in ``--matrix``; the 8-adapter step 5.87 vs 5.83 ms)
+and was removed (commit bfb8465 has it): the extra launch and its wait cost more than the epilogue's
+loads of B.
 
 Numerics: s is rounded to B's dtype (the reference's intermediate is), multiplied in LORA_CDT (tf32
 for fp32 B with half activations, true fp32 with LORA_IEEE), accumulated in fp32.

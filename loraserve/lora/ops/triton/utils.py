@@ -27,17 +27,28 @@ def use_pdl(device: torch.device) -> bool:
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# the knob of trigger_dependents: LORASERVE_PDL_EARLY_TRIGGER=0 turns it off (a module attribute: --matrix sweeps it)
-TRIGGER_EARLY = os.environ.get("LORASERVE_PDL_EARLY_TRIGGER", "1") != "0"
+# the knob of pdl_chain: LORASERVE_PDL_CHAIN=0 turns it off (a module attribute: --matrix sweeps it)
+PDL_CHAIN = os.environ.get("LORASERVE_PDL_CHAIN", "1") != "0"
 
 
-def trigger_dependents(device: torch.device) -> bool:
-    """Whether a kernel that a LoRA kernel may follow (the norms, SiLU-and-mul, attention, the decode
-    GEMM) lets its PDL dependent launch as soon as all its programs have started
-    (``gdc_launch_dependents`` first thing), instead of when they have all finished. The dependent (a
-    shrink) then loads its A while this kernel runs and waits (``gdc_wait``) for it to finish before
-    reading its output; a successor launched without PDL is not affected."""
-    return TRIGGER_EARLY and use_pdl(device)
+def pdl_chain(device: torch.device) -> bool:
+    """Whether a decode step's small kernels (the norms, SiLU-and-mul, rotary + KV write, attention, the
+    decode GEMM) are links of one PDL chain: each is launched as a PDL dependent of the kernel before
+    it, lets its own dependent launch as soon as all its programs have started, and waits for the
+    kernel before it to finish before touching any memory (``pdl_link``). A LoRA shrink that follows
+    one of them then launches while it runs, loads its A, and waits; the launch gaps between the links
+    are hidden. Correct whatever comes before or after a link: a predecessor that never triggers
+    (cuBLAS, torch) only makes the launch ordinary, and every dependent waits before reading."""
+    return PDL_CHAIN and use_pdl(device)
+
+
+@triton.jit
+def pdl_link(WAIT: tl.constexpr):
+    """A PDL chain link's first instructions (``pdl_chain``): let the dependent launch, then (WAIT) wait
+    for the kernel before this one to finish and flush its memory."""
+    tl.extra.cuda.gdc_launch_dependents()
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
 
 
 @functools.cache
