@@ -121,7 +121,6 @@ def bench_base(case: Case, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
 def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
     """(unfused µs, fused µs) per LoRA'd op, 8 adapters mixed."""
     rank_dev = ops.ranks_tensor(case.ranks)
-    R = case.As[0][0].shape[2]
 
     def unfused():
         for w, A, B in zip(case.ws, case.As, case.Bs):
@@ -130,8 +129,8 @@ def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> 
 
     def fused():  # the engine's path (TritonLoRAOps.linear_with_lora), with these tiles
         for w, A, B in zip(case.ws, case.As, case.Bs):
-            buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces)
-            epi = dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev, pdl=ops_pdl(case.x.device))
+            buf = lora_shrink(case.x, A, case.meta, rank_dev, reduce=ops.shrink_reduces)
+            epi = dl.ExpandEpilogue(buf, B, case.mapping.token_slots, pdl=ops_pdl(case.x.device))
             dl.decode_linear(case.x, w, lora=epi, tiles=tiles)
 
     return graph_us(unfused, len(case.ws)), graph_us(fused, len(case.ws))
@@ -141,17 +140,16 @@ def bench_parts(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) ->
     """(shrink + plain GEMM µs, GEMM with the epilogue on a precomputed buf µs) per op: which half of the
     fused op's LoRA cost is the shrink launch and which the epilogue."""
     rank_dev = ops.ranks_tensor(case.ranks)
-    R = case.As[0][0].shape[2]
-    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces) for A in case.As]
+    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, reduce=ops.shrink_reduces) for A in case.As]
 
     def shrink_then_gemm():
         for w, A in zip(case.ws, case.As):
-            lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces)
+            lora_shrink(case.x, A, case.meta, rank_dev, reduce=ops.shrink_reduces)
             dl.decode_linear(case.x, w, tiles=tiles)
 
     def epilogue_only():
         for w, B, buf in zip(case.ws, case.Bs, bufs):
-            dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev), tiles=tiles)
+            dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, case.mapping.token_slots), tiles=tiles)
 
     return graph_us(shrink_then_gemm, len(case.ws)), graph_us(epilogue_only, len(case.ws))
 
@@ -230,8 +228,8 @@ def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
     w, A, B = case.ws[0], case.As[0], case.Bs[0]
     ref = F.linear(case.x, w)
     ops.add_lora_linear(ref, case.x, A, B, case.ranks, case.meta)
-    buf = lora_shrink(case.x, A, case.meta, rank_dev, A[0].shape[2], reduce=ops.shrink_reduces)
-    y = dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, case.mapping.token_slots, rank_dev), tiles=tiles)
+    buf = lora_shrink(case.x, A, case.meta, rank_dev, reduce=ops.shrink_reduces)
+    y = dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, case.mapping.token_slots), tiles=tiles)
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 

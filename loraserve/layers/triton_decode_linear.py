@@ -65,17 +65,16 @@ class DecodeTiles:
 
 @dataclass
 class ExpandEpilogue:
-    """What the epilogue needs: the shrink's partials and the slots' B and ranks.
+    """What the epilogue needs: the shrink's partials and the slots' B.
 
-    buf: (SPLIT_K, n_slices, M, R) fp32 from ``lora_shrink`` (rows of base tokens and columns past a
-    slot's rank are never read). lora_b: per slice (S, 1, N_i, R), contiguous. token_slots: (M,) int
-    on the device, -1 = base. ranks: (S,) int32 on the device.
+    buf: (SPLIT_K, n_slices, M, R) fp32 from ``lora_shrink``: every column written for the tokens with a
+    slot (zeros past its rank); rows of base tokens may hold anything (never used). lora_b: per slice
+    (S, 1, N_i, R), contiguous. token_slots: (M,) int on the device, -1 = base.
     """
 
     buf: torch.Tensor
     lora_b: tuple[torch.Tensor, ...]
     token_slots: torch.Tensor
-    ranks: torch.Tensor
     pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
 
 
@@ -134,7 +133,6 @@ def _epilogue(
     b1_ptr,
     b2_ptr,
     slots_ptr,
-    rank_ptr,
     S,
     SPLIT_K,
     N0,
@@ -170,10 +168,10 @@ def _epilogue(
     y = acc.to(out_dt)  # (BLOCK_N, BLOCK_M): the base output, rounded as cuBLAS's would be
 
     if HAS_LORA:
-        # NOTE: slots, ranks and B are loaded here, after the K loop: loaded before it (held in registers
+        # NOTE: slots and B are loaded here, after the K loop: loaded before it (held in registers
         # across the loop) they cost gate_up 21.4 instead of 12.8 µs of LoRA (session 6, H200, 8 slots)
         delta = block_delta(
-            pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr, S, SPLIT_K, N0, N1,
+            pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
             stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
@@ -208,7 +206,6 @@ def _decode_linear_kernel(
     b1_ptr,
     b2_ptr,
     slots_ptr,
-    rank_ptr,
     S,
     SPLIT_K,
     N0,
@@ -279,7 +276,7 @@ def _decode_linear_kernel(
 
     if SPLIT_W == 1:
         _epilogue(
-            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr,
+            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
             LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
@@ -302,7 +299,7 @@ def _decode_linear_kernel(
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             _epilogue(
                 total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
-                rank_ptr, S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+                S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
                 LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
@@ -351,7 +348,7 @@ def decode_linear(
     tiles = tiles or default_tiles(M, N, K, x.dtype)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cdt = compute_dtype_of(x.dtype, weight.dtype)
-    lora_args: tuple = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    lora_args: tuple = (x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     lora_consts = dict(
         R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
     )
@@ -369,12 +366,12 @@ def decode_linear(
         for b in lora.lora_b:
             assert b.dtype == b0.dtype and b.shape[0] == b0.shape[0] and b.shape[3] == R
             assert b.stride()[1:] == (b.shape[2] * R, R, 1), "B must be contiguous (out, R) per slot"
-        assert lora.token_slots.shape == (M,) and lora.ranks.dtype == torch.int32
+        assert lora.token_slots.shape == (M,)
         b1 = lora.lora_b[1] if n_sl > 1 else b0
         b2 = lora.lora_b[2] if n_sl > 2 else b0
         lcdt = compute_dtype_of(torch.float32 if b0.dtype == torch.float32 else b0.dtype, b0.dtype)
         lora_args = (
-            lora.buf, b0, b1, b2, lora.token_slots, lora.ranks, b0.shape[0], split,
+            lora.buf, b0, b1, b2, lora.token_slots, b0.shape[0], split,
             sizes[0], sizes[1] if n_sl > 1 else 0,
             lora.buf.stride(0), lora.buf.stride(1), lora.buf.stride(2),
             b0.stride(0), b1.stride(0), b2.stride(0),

@@ -82,6 +82,8 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces):
     N = sum(outs)
     ranks = torch.randint(1, R + 1, (S,), generator=g).tolist()
     ranks[0] = R
+    if S > 3:
+        ranks[1] = 0  # an empty slot in the batch: its tokens get no delta
     x = torch.randn(M, K, generator=g).to(DEV, xdt)
     w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, xdt)
     b = (torch.randn(N, generator=g) * 0.1).to(DEV, xdt) if bias else None
@@ -95,9 +97,15 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces):
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
     assert supports(x, w, outs, tiles) == (xdt != torch.float32)
 
-    buf = lora_shrink(x, As, meta, rank_dev, R, reduce=shrink_reduces)
+    buf = lora_shrink(x, As, meta, rank_dev, reduce=shrink_reduces)
     assert (buf.shape[0] == 1) == (shrink_reduces or K <= 256), "the decode shrink splits K in blocks of 256"
-    y = decode_linear(x, w, b, lora=ExpandEpilogue(buf, Bs, mapping.token_slots, rank_dev), tiles=tiles)
+    # every column of a token with a slot is written, zeros past its slot's rank (the epilogue loads no
+    # rank); rows of base tokens are not written: poison them, the epilogue must drop them
+    for t, s in enumerate(slots):
+        if s >= 0:
+            assert torch.equal(buf[:, :, t, ranks[s] :], torch.zeros_like(buf[:, :, t, ranks[s] :]))
+    buf[:, :, [t for t, s in enumerate(slots) if s < 0]] = float("nan")
+    y = decode_linear(x, w, b, lora=ExpandEpilogue(buf, Bs, mapping.token_slots), tiles=tiles)
 
     base = F.linear(x.float(), w.float(), None if b is None else b.float()).to(xdt)  # rounded, as cuBLAS's
     ref = base.float()

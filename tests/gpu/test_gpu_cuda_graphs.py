@@ -134,12 +134,12 @@ def test_pdl_chain_changes_no_bit(tmp_path, monkeypatch):
     out = {}
     for chain in (True, False):
         monkeypatch.setattr(triton_utils, "PDL_CHAIN", chain)
+        assert triton_utils.pdl_chain(torch.device("cuda")) == (chain and torch.cuda.get_device_capability()[0] >= 9)
         llm = LLM(str(base), device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=64,
                   enable_lora=True, max_loras=4, max_lora_rank=8)  # fmt: skip
         out[chain] = llm.generate(prompts, sp, lora_request=loras)
         assert llm.engine.runner.graphs.stats["replays"] > 0
         del llm
-    assert triton_utils.pdl_chain(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
     for on, off in zip(out[True], out[False]):
         assert on.outputs[0].token_ids == off.outputs[0].token_ids
         lp_on = [d[t].logprob for d, t in zip(on.outputs[0].logprobs, on.outputs[0].token_ids)]

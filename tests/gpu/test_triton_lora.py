@@ -210,8 +210,8 @@ def test_shrink_sums_its_splits_deterministically(case):
     x = torch.randn(T, K, generator=g).to(DEV)
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
 
-    first = lora_shrink(x, As, meta, rank_dev, R).clone()
-    second = lora_shrink(x, As, meta, rank_dev, R)
+    first = lora_shrink(x, As, meta, rank_dev).clone()
+    second = lora_shrink(x, As, meta, rank_dev)
     sync()
     assert first.shape == (1, n, T, R)
     for t, s in enumerate(slots):

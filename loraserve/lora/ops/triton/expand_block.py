@@ -79,6 +79,7 @@ def expand_chunk(delta, b, h, slot, chunk, BLOCK_M: tl.constexpr, BLOCK_R: tl.co
     offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
     c_j = chunk + offs_c // BLOCK_R
     hx = tl.reshape(tl.broadcast_to(h[:, None, :], (BLOCK_M, SLOTS_PER_CHUNK, BLOCK_R)), (BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R))
+    # a select, not a product: rows of tokens without a slot (-1) may hold anything, NaN included
     sx = tl.where(slot[:, None] == c_j[None, :], hx, 0.0)
     sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
     if LORA_IEEE:
@@ -90,7 +91,7 @@ def expand_chunk(delta, b, h, slot, chunk, BLOCK_M: tl.constexpr, BLOCK_R: tl.co
 
 @triton.jit
 def block_delta(
-    pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, rank_ptr, S, SPLIT_K, N0, N1,
+    pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
     stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
     R: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr, RED: tl.constexpr,
@@ -98,8 +99,10 @@ def block_delta(
 ):  # fmt: skip
     """delta (BLOCK_N, BLOCK_M) fp32 of column block pid_n for tokens 0..M-1 (zero for tokens of no slot).
 
-    buf: the shrink's (SPLIT_K, n_slices, M, R) fp32 partials, read after the PDL wait (USE_PDL); slots,
-    ranks and B are weights and mapping, written before the forward, and are loaded before it.
+    buf: the shrink's (SPLIT_K, n_slices, M, R) fp32 partials, every column written for the tokens with a
+    slot (zeros past its rank), read after the PDL wait (USE_PDL). Slots and B (mapping and weights,
+    written before the forward) are loaded before it. No load waits on another: the slots, B and buf
+    are one round trip to memory, not three (slot, then its rank, then buf masked by the rank).
     """
     sl, b_ptr, stride_ws, n_loc0 = lora_slice(
         pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N
@@ -107,22 +110,21 @@ def block_delta(
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)  # (BLOCK_M,)
-    rank = tl.load(rank_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)  # (BLOCK_M,)
     # NOTE: the whole chunk of slots is ONE load of B and ONE MMA: s is expanded to (tokens, slots x r)
     # with zeros outside each token's own slot, so each token meets only its own B. A loop of one
     # small MMA per slot paid a DRAM round trip per slot in every wave of programs (LoRA cost of gate_up,
     # 3.4 waves: 24 µs, then 14 with this; o, one wave: 7.0, then 5.8; H200, 32 tokens, 8 slots).
     offs_r = tl.arange(0, BLOCK_R)
     h_ptrs = buf_ptr + sl * stride_bi + offs_m[:, None] * stride_bm + offs_r[None, :]
-    # rows of base tokens (rank 0) and columns past each token's rank stay zero (buf is not written there)
-    h_mask = m_mask[:, None] & (offs_r[None, :] < rank[:, None])
+    # rows of tokens without a slot hold whatever buf held: expand_chunk's select drops them
+    h_mask = m_mask[:, None] & (offs_r < R)[None, :]
     delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for chunk in range(0, S, SLOTS_PER_CHUNK):
         b = lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
         if USE_PDL:
-            # launched while the shrink (or the GEMM after it) runs: buf is read only after it has finished
+            # launched while the shrink runs: its buf is read only after it has finished
             tl.extra.cuda.gdc_wait()
-        # h (BLOCK_M, BLOCK_R): each token's own s, its split-K planes (if any are left) summed
+        # h (BLOCK_M, BLOCK_R): each token's s, its split-K planes (if any are left) summed
         h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False)
         delta = expand_chunk(delta, b, h, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
     return delta

@@ -2,8 +2,9 @@
 
 One launch for all 1-3 slices of a layer. Tokens arrive sorted by slot (``SegmentMeta``); a program
 owns (split of K, rank block, slice) x (block of tokens of one segment). The grid's rank axis covers
-max_lora_rank, and a program whose rank block starts at or past its slot's own rank returns at once,
-so work and bytes follow each adapter's rank, not max_lora_rank.
+max_lora_rank, and a program whose rank block starts at or past its slot's own rank only stores
+zeros, so work and bytes follow each adapter's rank, not max_lora_rank, and every column of buf is
+written for the tokens of every segment (readers need not load ranks).
 
 Split-K (decode sizes have few segments, so K is split to keep the SMs streaming A): every split
 writes its partial to its own plane of ``buf``; the last program of a group to arrive (an atomic
@@ -42,7 +43,7 @@ def _dot(a, b, CDT: tl.constexpr, IEEE: tl.constexpr):
 # NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
 # multiples of 16 and vectorizes the masked loads along the contiguous axis; as runtime ints every
 # masked load there went scalar. Specializing compiles once per divisibility class, not per value.
-@triton.jit(do_not_specialize=["T", "S", "NUM_RBLOCKS", "SPLIT_K"])
+@triton.jit(do_not_specialize=["T", "S", "R", "NUM_RBLOCKS", "SPLIT_K"])
 def _lora_shrink_kernel(
     x_ptr,
     a0_ptr,
@@ -64,6 +65,7 @@ def _lora_shrink_kernel(
     stride_bsp,
     stride_bi,
     stride_bm,
+    R,  # buf's (and A's) rank columns: all of them are written for the tokens of every segment
     NUM_SLICES: tl.constexpr,
     NUM_RBLOCKS,
     SPLIT_K,
@@ -96,6 +98,15 @@ def _lora_shrink_kernel(
             # reads x before its own wait, trusting that every shrink program waited first: so wait
             # here too (a batch of base tokens only, under a CUDA graph, exits every program)
             tl.extra.cuda.gdc_wait()
+        if m0 < seg_len:
+            # columns past the slot's rank (a rank-0 slot: all of them) hold zeros, in this split's plane:
+            # readers then need no rank (decode_linear's epilogue masks h by R alone)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < seg_len
+            tok = tl.load(meta_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            zero_ptrs = buf_ptr + split * stride_bsp + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
+            tl.store(zero_ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), mask=m_mask[:, None] & (offs_r < R)[None, :])
         return
 
     if NUM_SLICES == 1:
@@ -138,7 +149,7 @@ def _lora_shrink_kernel(
             at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
             acc += _dot(xt, at, CDT, IEEE)
     out = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]  # plane 0
-    out_mask = m_mask[:, None] & r_mask[None, :]
+    out_mask = m_mask[:, None] & (offs_r < R)[None, :]  # zeros past the rank (A masked there)
     tl.store(out + split * stride_bsp, acc, mask=out_mask)
     if REDUCE:
         # NOTE: the semaphore pattern of decode_linear's split-K: all threads' stores, a CTA barrier, one
@@ -185,7 +196,6 @@ def lora_shrink(
     lora_a: tuple[torch.Tensor, ...],
     meta: SegmentMeta,
     ranks: torch.Tensor,
-    max_rank: int,
     block_r: int = 16,
     reduce: bool = True,
 ) -> torch.Tensor:
@@ -193,8 +203,9 @@ def lora_shrink(
 
     ``reduce``: the kernel sums its split-K partials itself, P = 1 (the engine's default); else P = the
     split and the reader (``lora_expand``, decode_linear's epilogue) sums the planes while loading them.
-    Only rows of tokens with a slot and columns r < ranks[slot] are written; ``lora_expand`` reads
-    exactly those.
+    Every column of the rows of tokens with a slot is written: x @ A^T below the slot's rank, zeros
+    past it (a rank-0 slot: zeros only), so a reader needs no rank (decode_linear's epilogue); rows of
+    tokens without a slot are not written.
     """
     n = len(lora_a)
     assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
@@ -215,8 +226,9 @@ def lora_shrink(
     assert meta.packed.device == x.device and meta.packed.dtype == torch.int32
     assert meta.num_tokens == T, f"mapping has {meta.num_tokens} tokens, x has {T}"
     R = a0.shape[2]
-    assert max_rank <= R
-    n_rblocks = triton.cdiv(max(max_rank, 1), block_r)
+    # NOTE: the rank axis covers all R columns of buf, not max_rank: programs past a slot's rank write
+    # zeros (no loads, no math), so that every column of a token with a slot is written
+    n_rblocks = triton.cdiv(R, block_r)
     block_m, block_k, split = _pick_blocks(meta, n, n_rblocks, K)
     buf = torch.empty(split, n, T, R, dtype=torch.float32, device=x.device)
     if meta.num_segs == 0 or T == 0:
@@ -236,7 +248,7 @@ def lora_shrink(
         T, meta.num_segs, K, k_per_split,
         x.stride(0), x.stride(1),
         a0.stride(0), a0.stride(2), a0.stride(3),
-        buf.stride(0), buf.stride(1), buf.stride(2),
+        buf.stride(0), buf.stride(1), buf.stride(2), R,
         NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
