@@ -26,6 +26,12 @@ Per decoder layer on the GPU path that is 4 small launches (add+norm, rotary+cac
 SiLU-and-mul) instead of 8. The shared ``@triton.jit`` helpers (``_rms_norm_row``, ``_rotate_half``)
 keep each fused kernel's arithmetic the same as its unfused twin's.
 
+On Hopper each of them (but the plain rotary) is a link of the decode step's PDL chain
+(``utils.pdl_chain``): launched while the kernel before it runs, it lets the next kernel launch at
+once and waits before touching memory. The launch gaps between them are hidden, and a LoRA shrink
+after a norm or SiLU-and-mul loads its A while they run (session 7, H200, Llama-8B, 8 adapters: the
+8-adapter step 5.56 vs 5.98 ms with the chain off; the base step 4.79 vs 4.89).
+
 Imported only on CUDA (or under TRITON_INTERPRET=1 in tests): CPU installs have no triton.
 """
 

@@ -84,7 +84,8 @@ class TritonLoRAOps:
         token_slots: torch.Tensor,
     ) -> torch.Tensor | None:
         """x W^T + b + the per-token LoRA delta as two launches (shrink, then the GEMM with the expand
-        in its epilogue, PDL-overlapped), or None where ``decode_linear`` does not apply (too many
+        in its epilogue, PDL-overlapped; the shrink launches while the kernel before it runs when that
+        kernel is a link of the PDL chain, utils.pdl_chain), or None where ``decode_linear`` does not apply (too many
         tokens, fp32, slices that are not multiples of its column block): the caller then runs the
         GEMM and ``add_lora_linear``. Same numbers as that path (decode_linear.py's docstring)."""
         if meta is None or not self.fuses_linear:
