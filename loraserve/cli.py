@@ -40,7 +40,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from loraserve.server.cli_serve import LORA_DTYPES  # light: argparse only
+    from loraserve.server.cli_serve import add_lora_capacity_args  # light: argparse only
 
     _add_model_args(p)
     g = p.add_argument_group("engine")
@@ -65,20 +65,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--lora", type=_lora_arg, default=None, metavar="NAME=PATH", help="a PEFT adapter dir to apply"
     )
-    g.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once")
-    g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
-    g.add_argument(
-        "--lora-dtype",
-        default="auto",
-        choices=LORA_DTYPES,
-        help="auto (float32, PEFT's numbers) | bfloat16 | float16 (adapters in that dtype: faster on the GPU)",
-    )
-    g.add_argument(
-        "--max-cpu-loras", type=int, default=None, help="host adapter cache (default: max(max_loras, 32))"
-    )
-    g.add_argument(
-        "--fully-sharded-loras", action="store_true", help="with TP: shard LoRA A and B too (S-LoRA)"
-    )
+    add_lora_capacity_args(g)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -145,6 +132,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # ---- helpers ------------------------------------------------------------------------------------
 def _make_llm(args: argparse.Namespace):
     from loraserve.llm import LLM
+    from loraserve.server.cli_serve import lora_capacity_kwargs
 
     return LLM(
         model=args.model,
@@ -155,12 +143,8 @@ def _make_llm(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         enable_lora=args.lora is not None,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        lora_dtype=args.lora_dtype,
-        max_cpu_loras=args.max_cpu_loras,
+        **lora_capacity_kwargs(args),
         tensor_parallel_size=args.tensor_parallel_size,
-        fully_sharded_loras=args.fully_sharded_loras,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
     )

@@ -16,6 +16,36 @@ LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --lora-dtype (genera
 DEMO_ADAPTERS = Path(__file__).resolve().parents[1] / "demo_adapters"
 
 
+def add_lora_capacity_args(g) -> None:
+    """The LoRA flags that ``generate``/``chat`` and ``serve`` share (how many adapters, how large, in
+    which dtype, how sharded): one definition, read back by ``lora_capacity_kwargs``."""
+    g.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once")
+    g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
+    g.add_argument(
+        "--lora-dtype",
+        default="auto",
+        choices=LORA_DTYPES,
+        help="auto (float32, PEFT's numbers) | bfloat16 | float16 (adapters in that dtype: faster on the GPU)",
+    )
+    g.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="host adapter cache (default: max(max_loras, 32))"
+    )
+    g.add_argument(
+        "--fully-sharded-loras", action="store_true", help="with TP: shard LoRA A and B too (S-LoRA)"
+    )
+
+
+def lora_capacity_kwargs(args: argparse.Namespace) -> dict:
+    """The LoRAConfig fields (also ``LLM`` keyword arguments) of ``add_lora_capacity_args``' flags."""
+    return dict(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_dtype=args.lora_dtype,
+        max_cpu_loras=args.max_cpu_loras,
+        fully_sharded_loras=args.fully_sharded_loras,
+    )
+
+
 def _lora_module(value: str) -> tuple[str, str]:
     name, sep, path = value.partition("=")
     if not sep or not name or not path:
@@ -76,20 +106,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="adapters to load at startup, served under NAME",
     )
-    g.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device at once")
-    g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
-    g.add_argument(
-        "--lora-dtype",
-        default="auto",
-        choices=LORA_DTYPES,
-        help="auto (float32, PEFT's numbers) | bfloat16 | float16 (adapters in that dtype: faster on the GPU)",
-    )
-    g.add_argument(
-        "--fully-sharded-loras", action="store_true", help="S-LoRA layout under tensor parallelism (A/B sharded too)"
-    )
-    g.add_argument(
-        "--max-cpu-loras", type=int, default=None, help="host adapter cache (default: max(max_loras, 32))"
-    )
+    add_lora_capacity_args(g)
     g.add_argument(
         "--lora-target-modules",
         nargs="+",
@@ -133,14 +150,7 @@ def build_engine(args: argparse.Namespace, lora_modules: list[tuple[str, str]]):
 
     lora = None
     if args.enable_lora or lora_modules or args.allow_runtime_lora_updating:
-        lora = LoRAConfig(
-            max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank,
-            lora_dtype=args.lora_dtype,
-            max_cpu_loras=args.max_cpu_loras,
-            lora_target_modules=args.lora_target_modules,
-            fully_sharded_loras=args.fully_sharded_loras,
-        )
+        lora = LoRAConfig(**lora_capacity_kwargs(args), lora_target_modules=args.lora_target_modules)
     config = EngineConfig(
         model=ModelConfig(
             model=args.model,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import sum_planes
+from loraserve.lora.ops.triton.utils import dot_in, sum_planes
 
 
 @triton.jit
@@ -82,10 +82,7 @@ def expand_chunk(delta, b, h, slot, chunk, BLOCK_M: tl.constexpr, BLOCK_R: tl.co
     # a select, not a product: rows of tokens without a slot (-1) may hold anything, NaN included
     sx = tl.where(slot[:, None] == c_j[None, :], hx, 0.0)
     sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
-    if LORA_IEEE:
-        delta += tl.dot(b.to(LORA_CDT), tl.trans(sx), input_precision="ieee")
-    else:
-        delta += tl.dot(b.to(LORA_CDT), tl.trans(sx))
+    delta += dot_in(b, tl.trans(sx), LORA_CDT, LORA_IEEE)
     return delta
 
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from loraserve.layers.moe_align import AlignedBlocks
-from loraserve.lora.ops.triton.utils import compute_dtype_of, tl_dtype
+from loraserve.lora.ops.triton.utils import compute_dtype_of, dot_in, tl_dtype
 
 
 # NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
@@ -80,10 +80,7 @@ def _moe_lora_shrink_kernel(
         k_mask = kk < K
         xt = tl.load(x_base + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(xt.to(CDT), at.to(CDT), input_precision="ieee")
-        else:
-            acc += tl.dot(xt.to(CDT), at.to(CDT))
+        acc += dot_in(xt, at, CDT, IEEE)
     out = buf_ptr + rows[:, None] * stride_bm + sl * stride_bsl + offs_r[None, :]
     tl.store(out, acc, mask=m_mask[:, None] & (offs_r < BLOCK_R)[None, :])
 
@@ -153,10 +150,7 @@ def _moe_lora_expand_kernel(
         mask=(offs_r < R)[:, None] & n_mask[None, :],  # NOTE: not by rank: as in lora_expand.py
         other=0.0,
     )  # fmt: skip
-    if IEEE:
-        delta = tl.dot(xa.to(CDT), bt.to(CDT), input_precision="ieee")
-    else:
-        delta = tl.dot(xa.to(CDT), bt.to(CDT))
+    delta = dot_in(xa, bt, CDT, IEEE)
     cols = col_off + offs_n * col_stride
     y = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]

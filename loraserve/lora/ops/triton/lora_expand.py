@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import compute_dtype_of, sum_planes, tl_dtype, use_pdl
+from loraserve.lora.ops.triton.utils import compute_dtype_of, dot_in, sum_planes, tl_dtype, use_pdl
 from loraserve.lora.punica import SegmentMeta
 
 
@@ -130,10 +130,7 @@ def _lora_expand_kernel(
     h_mask = m_mask[:, None] & r_mask[None, :]
     h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False).to(WDT).to(CDT)
 
-    if IEEE:
-        delta = tl.dot(h, w.to(CDT), input_precision="ieee")
-    else:
-        delta = tl.dot(h, w.to(CDT))
+    delta = dot_in(h, w, CDT, IEEE)
     y_ptrs = y_ptr + tok[:, None] * stride_ym + (col0 + offs_n)[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
     yv = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)

@@ -26,18 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import compute_dtype_of, persistent_buffer, sum_planes, tl_dtype, use_pdl
+from loraserve.lora.ops.triton.utils import (
+    compute_dtype_of,
+    dot_in,
+    persistent_buffer,
+    sum_planes,
+    tl_dtype,
+    use_pdl,
+)
 from loraserve.lora.punica import SegmentMeta
-
-
-@triton.jit
-def _dot(a, b, CDT: tl.constexpr, IEEE: tl.constexpr):
-    """a @ b in CDT with fp32 accumulation; IEEE: true fp32 products (fp32 inputs), else tf32 for fp32."""
-    if IEEE:
-        out = tl.dot(a.to(CDT), b.to(CDT), input_precision="ieee")
-    else:
-        out = tl.dot(a.to(CDT), b.to(CDT))
-    return out
 
 
 # NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
@@ -136,7 +133,7 @@ def _lora_shrink_kernel(
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()  # the expand may launch now; it waits for us before reading buf
         xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _dot(xt, at, CDT, IEEE)
+        acc = dot_in(xt, at, CDT, IEEE)
     else:
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
@@ -147,7 +144,7 @@ def _lora_shrink_kernel(
             k_mask = kk < K
             xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-            acc += _dot(xt, at, CDT, IEEE)
+            acc += dot_in(xt, at, CDT, IEEE)
     out = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]  # plane 0
     out_mask = m_mask[:, None] & (offs_r < R)[None, :]  # zeros past the rank (A masked there)
     tl.store(out + split * stride_bsp, acc, mask=out_mask)

@@ -72,6 +72,17 @@ def compute_dtype_of(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
 
 
 @triton.jit
+def dot_in(a, b, CDT: tl.constexpr, IEEE: tl.constexpr):
+    """a @ b, both cast to CDT, accumulated in fp32. IEEE: true fp32 products (fp32 inputs, as the
+    reference's fp32 matmul); else fp32 inputs multiply in tf32 (``compute_dtype_of`` says when)."""
+    if IEEE:
+        out = tl.dot(a.to(CDT), b.to(CDT), input_precision="ieee")
+    else:
+        out = tl.dot(a.to(CDT), b.to(CDT))
+    return out
+
+
+@triton.jit
 def sum_planes(ptrs, mask, n_planes, plane_stride, RED: tl.constexpr, PAST_L1: tl.constexpr):
     """The sum over p < n_planes of the (masked) tiles at ptrs + p * plane_stride, in fp32, in plane order.
 
