@@ -121,6 +121,7 @@ def bench_base(case: Case, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
 def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
     """(unfused µs, fused µs) per LoRA'd op, 8 adapters mixed."""
     rank_dev = ops.ranks_tensor(case.ranks)
+    R = case.As[0][0].shape[2]
 
     def unfused():
         for w, A, B in zip(case.ws, case.As, case.Bs):
@@ -129,7 +130,7 @@ def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> 
 
     def fused():  # the engine's path (TritonLoRAOps.linear_with_lora), with these tiles
         for w, A, B in zip(case.ws, case.As, case.Bs):
-            buf = lora_shrink(case.x, A, case.meta, rank_dev, reduce=ops.shrink_reduces)
+            buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
             epi = dl.ExpandEpilogue(buf, B, case.mapping.token_slots, pdl=ops_pdl(case.x.device))
             dl.decode_linear(case.x, w, lora=epi, tiles=tiles)
 
@@ -140,11 +141,12 @@ def bench_parts(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) ->
     """(shrink + plain GEMM µs, GEMM with the epilogue on a precomputed buf µs) per op: which half of the
     fused op's LoRA cost is the shrink launch and which the epilogue."""
     rank_dev = ops.ranks_tensor(case.ranks)
-    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, reduce=ops.shrink_reduces) for A in case.As]
+    R = case.As[0][0].shape[2]
+    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True) for A in case.As]
 
     def shrink_then_gemm():
         for w, A in zip(case.ws, case.As):
-            lora_shrink(case.x, A, case.meta, rank_dev, reduce=ops.shrink_reduces)
+            lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
             dl.decode_linear(case.x, w, tiles=tiles)
 
     def epilogue_only():
@@ -177,12 +179,20 @@ def matrix(layers: int) -> list[dict]:
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
     rows = []
-    base = {}
-    for name, K, slices in SHAPES["llama-8b"][:4]:
-        case = Case(K, slices, 32, layers)
-        tiles = dl.default_tiles(32, case.N, K, torch.bfloat16)
-        base[name] = bench_base(case, tiles)
-        del case
+    bases: dict[bool, dict[str, tuple[float, float]]] = {}
+
+    def base_times() -> dict[str, tuple[float, float]]:
+        """(cuBLAS, decode_linear) µs per op under the current PDL chain setting, which the base GEMM
+        takes part in: each knob's LoRA cost is measured against the base GEMM of the same setting."""
+        chain = triton_utils.PDL_CHAIN
+        if chain not in bases:
+            bases[chain] = {}
+            for name, K, slices in SHAPES["llama-8b"][:4]:
+                case = Case(K, slices, 32, layers)
+                bases[chain][name] = bench_base(case, dl.default_tiles(32, case.N, K, torch.bfloat16))
+                del case
+        return bases[chain]
+
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
              triton_utils.PDL_CHAIN)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
@@ -194,6 +204,7 @@ def matrix(layers: int) -> list[dict]:
         triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
+        base = base_times()
         for name, K, slices in SHAPES["llama-8b"][:4]:
             lc = Case(K, slices, 32, layers, lora_dtype=knobs.get("lora_dtype", torch.float32))
             tiles = dl.default_tiles(32, lc.N, K, torch.bfloat16)
@@ -226,9 +237,10 @@ def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
     """Relative error of the fused layer vs the unfused one (bf16: a rounding apart)."""
     rank_dev = ops.ranks_tensor(case.ranks)
     w, A, B = case.ws[0], case.As[0], case.Bs[0]
+    R = A[0].shape[2]
     ref = F.linear(case.x, w)
     ops.add_lora_linear(ref, case.x, A, B, case.ranks, case.meta)
-    buf = lora_shrink(case.x, A, case.meta, rank_dev, reduce=ops.shrink_reduces)
+    buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
     y = dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, case.mapping.token_slots), tiles=tiles)
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 

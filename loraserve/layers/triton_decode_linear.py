@@ -13,9 +13,10 @@ kernels cost ~10-15 µs per op on the H200 whatever they moved: launch and laten
 expand rides on the GEMM that already streams W: each program, after its K loop over its BLOCK_N rows
 of W, adds the delta of those columns (``expand_block.block_delta``). The shrink stays a launch of its
 own before the GEMM; under programmatic dependent launch (Hopper) the GEMM starts while the shrink
-runs, streams W, and waits (``gdc_wait``) only before reading the shrink's partials. Without the
-epilogue this kernel is a link of the decode step's PDL chain (``utils.pdl_chain``): it lets its
-dependent launch at once and waits for the kernel before it before reading x.
+runs, streams W, and waits (``gdc_wait``) only before reading the shrink's partials. Either way the
+kernel is a link of the decode step's PDL chain (``utils.pdl_chain``): it lets its dependent launch
+at once; without the epilogue (or when the shrink launched nothing) it also waits for the kernel
+before it before reading x, and with it the shrink has waited for x.
 
 NOTE: the shrink inside this launch was tried (session 6, commit 71c6a33): the first programs, at most
 one per SM, computed the shrink's units before their K loop and published them through an atomic

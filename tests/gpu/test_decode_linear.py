@@ -20,6 +20,7 @@ from loraserve.layers.triton_decode_linear import (  # noqa: E402
     DecodeTiles,
     ExpandEpilogue,
     decode_linear,
+    default_tiles,
     supports,
 )
 from loraserve.lora.ops import torch_ops  # noqa: E402
@@ -74,8 +75,12 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-{len(c[2])}sl-S{c[3]}-R{c[4]}-{c[5]}-{c[6]}")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shrink_reduces", [True, False], ids=["one-plane", "planes"])
-def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces):
-    """The shrink sums its split-K planes (the engine's default) or leaves them for the epilogue to sum."""
+def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces, monkeypatch):
+    """The shrink sums its split-K planes (the engine's default) or leaves them for the epilogue to sum.
+    The shrink's storage starts as NaN: what it does not write (rows of base tokens) must not matter."""
+    from loraserve.lora.ops.triton import lora_shrink as shrink_mod
+
+    monkeypatch.setattr(shrink_mod, "_new_buf", lambda shape, device: torch.full(shape, float("nan"), device=device))
     M, K, outs, S, R, xdt, wdt, tiles = case
     skip_interpreted_bf16(xdt, wdt)
     g = torch.Generator().manual_seed(M * 7 + K)
@@ -97,14 +102,15 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces):
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
     assert supports(x, w, outs, tiles) == (xdt != torch.float32)
 
-    buf = lora_shrink(x, As, meta, rank_dev, reduce=shrink_reduces)
+    buf = lora_shrink(x, As, meta, rank_dev, R, reduce=shrink_reduces, zero_fill=True)
     assert (buf.shape[0] == 1) == (shrink_reduces or K <= 256), "the decode shrink splits K in blocks of 256"
     # every column of a token with a slot is written, zeros past its slot's rank (the epilogue loads no
-    # rank); rows of base tokens are not written: poison them, the epilogue must drop them
+    # rank); rows of base tokens are not (NaN): the epilogue must drop them
     for t, s in enumerate(slots):
         if s >= 0:
             assert torch.equal(buf[:, :, t, ranks[s] :], torch.zeros_like(buf[:, :, t, ranks[s] :]))
-    buf[:, :, [t for t, s in enumerate(slots) if s < 0]] = float("nan")
+        else:
+            assert buf[:, :, t].isnan().all()
     y = decode_linear(x, w, b, lora=ExpandEpilogue(buf, Bs, mapping.token_slots), tiles=tiles)
 
     base = F.linear(x.float(), w.float(), None if b is None else b.float()).to(xdt)  # rounded, as cuBLAS's
@@ -127,12 +133,14 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces):
     assert not torch.equal(y[lora_rows], y0[lora_rows])
 
 
+@pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
 @pytest.mark.parametrize("n_lora_tokens", [0, 5])
-def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens):
+def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K):
     """TritonLoRAOps.linear_with_lora (shrink, then the GEMM with the delta in its epilogue) equals the
     unfused path (GEMM, then add_lora_linear); a batch of base tokens only gets the base GEMM's bits."""
-    g = torch.Generator().manual_seed(n_lora_tokens)
-    M, K, outs, S, R = 12, 256, (128, 64, 64), 4, 16
+    g = torch.Generator().manual_seed(n_lora_tokens + K)
+    M, outs, S, R = 12, (128, 64, 64), 4, 16
+    assert default_tiles(M, sum(outs), K, torch.float16).split_k == (4 if K == 1024 else 1)
     ranks = [16, 8, 16, 4]
     x = torch.randn(M, K, generator=g).to(DEV, torch.float16)
     w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)

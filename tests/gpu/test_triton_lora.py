@@ -192,9 +192,14 @@ SHRINK_CASES = [
 
 
 @pytest.mark.parametrize("case", SHRINK_CASES, ids=lambda c: f"T{c[0]}-S{c[1]}-R{c[2]}-K{c[3]}-{c[4]}sl-static{c[5]}")
-def test_shrink_sums_its_splits_deterministically(case):
+@pytest.mark.parametrize("zero_fill", [False, True])
+def test_shrink_sums_its_splits_deterministically(case, zero_fill, monkeypatch):
     """The shrink hands over one plane: x @ A^T per token's slot (fp32, exact), bit-identical on a
-    second launch (the arrival counters are back to zero), garbage past each rank never read."""
+    second launch (the arrival counters are back to zero); A's garbage past each rank is never read.
+    With zero_fill every column past a token's rank holds 0 (its storage starts as NaN here)."""
+    from loraserve.lora.ops.triton import lora_shrink as shrink_mod
+
+    monkeypatch.setattr(shrink_mod, "_new_buf", lambda shape, device: torch.full(shape, float("nan"), device=device))
     T, S, R, K, n, static = case
     g = torch.Generator().manual_seed(7)
     ranks = [R - (s % 3) * (R // 4) for s in range(S)]
@@ -210,8 +215,8 @@ def test_shrink_sums_its_splits_deterministically(case):
     x = torch.randn(T, K, generator=g).to(DEV)
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
 
-    first = lora_shrink(x, As, meta, rank_dev).clone()
-    second = lora_shrink(x, As, meta, rank_dev)
+    first = lora_shrink(x, As, meta, rank_dev, max(ranks), zero_fill=zero_fill).clone()
+    second = lora_shrink(x, As, meta, rank_dev, max(ranks), zero_fill=zero_fill)
     sync()
     assert first.shape == (1, n, T, R)
     for t, s in enumerate(slots):
@@ -223,6 +228,8 @@ def test_shrink_sums_its_splits_deterministically(case):
             got = first[0, i, t, :r].double()
             assert torch.allclose(got, ref, rtol=1e-5, atol=1e-4), f"token {t} slice {i}: {(got - ref).abs().max()}"
             assert torch.equal(second[0, i, t, :r], first[0, i, t, :r]), "a second launch must give the same bits"
+            if zero_fill:
+                assert torch.equal(first[0, i, t, r:], torch.zeros_like(first[0, i, t, r:])), f"token {t}: not zeros past rank"
     pool = triton_utils._PERSISTENT.get(("lora_shrink/arrivals", x.device, torch.int32), [])
     assert pool, "every case splits K, so the shrink counted arrivals"
     assert not any(c.any() for c in pool), "the arrival counters must be back to zero after a launch"

@@ -95,15 +95,22 @@ def test_make_app_loads_the_lora_modules(files):
     assert server.engine.engine.lora_manager is not None
 
 
-def test_lora_dtype_reaches_the_engine_config(tmp_path):
-    """`generate --lora-dtype` reaches LoRAConfig; a value not in the choices fails at parse time."""
+def test_lora_flags_reach_the_engine_config(tmp_path):
+    """`generate`'s LoRA flags (one definition with `serve`'s) reach LoRAConfig; a --lora-dtype not in
+    the choices fails at parse time."""
     from loraserve.cli import _make_llm
+    from loraserve.server.cli_serve import build_engine
     from tests.helpers import make_tiny_model
 
     make_tiny_model(tmp_path / "m")
+    flags = ["--max-loras", "3", "--max-lora-rank", "16", "--lora-dtype", "bfloat16", "--max-cpu-loras", "5"]
     args = build_parser().parse_args(["generate", "hi", "--model", str(tmp_path / "m"), "--device", "cpu",
-                                      "--lora", f"a={tmp_path}", "--lora-dtype", "bfloat16"])  # fmt: skip
-    llm = _make_llm(args)
-    assert llm.config.lora.resolved_dtype() == torch.bfloat16
+                                      "--lora", f"a={tmp_path}", *flags])  # fmt: skip
+    for lora in (_make_llm(args).config.lora,
+                 build_engine(build_parser().parse_args(["serve", str(tmp_path / "m"), "--device", "cpu",
+                                                         "--enable-lora", *flags]), []).config.lora):  # fmt: skip
+        assert lora.resolved_dtype() == torch.bfloat16
+        assert (lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (3, 16, 5)
+        assert lora.fully_sharded_loras is False
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "hi", "--lora-dtype", "bf17"])

@@ -69,7 +69,7 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return
-        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, reduce=self.shrink_reduces)
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces)
         lora_expand(y, buf, lora_b_stacked, meta, rank_dev, exact_fp32=x.dtype == torch.float32)
 
     def linear_with_lora(
@@ -98,9 +98,10 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
-        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, reduce=self.shrink_reduces)
+        # zero_fill: the epilogue loads no rank, so every column of a LoRA token's row must be written
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
         # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no
-        # segment the shrink is not launched and the GEMM must be an ordinary launch
+        # segment the shrink is not launched and the GEMM waits first, as a link of the PDL chain
         pdl = use_pdl(x.device) and meta.num_segs > 0
         epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)

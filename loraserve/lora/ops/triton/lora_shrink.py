@@ -2,9 +2,10 @@
 
 One launch for all 1-3 slices of a layer. Tokens arrive sorted by slot (``SegmentMeta``); a program
 owns (split of K, rank block, slice) x (block of tokens of one segment). The grid's rank axis covers
-max_lora_rank, and a program whose rank block starts at or past its slot's own rank only stores
-zeros, so work and bytes follow each adapter's rank, not max_lora_rank, and every column of buf is
-written for the tokens of every segment (readers need not load ranks).
+the batch's largest rank, and a program whose rank block starts at or past its slot's own rank
+returns at once, so work and bytes follow each adapter's rank, not max_lora_rank. With ``zero_fill``
+(decode_linear's epilogue, which loads no rank) the axis covers all R columns and those programs store
+zeros instead: every column of a token with a slot is written.
 
 Split-K (decode sizes have few segments, so K is split to keep the SMs streaming A): every split
 writes its partial to its own plane of ``buf``; the last program of a group to arrive (an atomic
@@ -35,6 +36,21 @@ from loraserve.lora.ops.triton.utils import (
     use_pdl,
 )
 from loraserve.lora.punica import SegmentMeta
+
+
+@triton.jit
+def _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl, R, stride_bsp, stride_bi, stride_bm,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, REDUCE: tl.constexpr):  # fmt: skip
+    """Zeros into columns r0 .. r0 + BLOCK_R (< R) of this block's tokens, in this split's plane (with
+    REDUCE only split 0 stores: plane 0 is all that is read)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    if REDUCE:
+        m_mask = m_mask & (split == 0)
+    tok = tl.load(meta_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    ptrs = buf_ptr + split * stride_bsp + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
+    tl.store(ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), mask=m_mask[:, None] & (offs_r < R)[None, :])
 
 
 # NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
@@ -72,6 +88,7 @@ def _lora_shrink_kernel(
     RED: tl.constexpr,  # planes a group's last split loads at once (1: no reduction here, see REDUCE)
     REDUCE: tl.constexpr,  # sum the splits here (the last arrival); else each split keeps its plane
     ONE_CHUNK: tl.constexpr,  # k_per_split == BLOCK_K: one tile of A per program, loaded before the wait
+    ZERO_FILL: tl.constexpr,  # programs past their slot's rank store zeros (the columns the readers see)
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -95,15 +112,11 @@ def _lora_shrink_kernel(
             # reads x before its own wait, trusting that every shrink program waited first: so wait
             # here too (a batch of base tokens only, under a CUDA graph, exits every program)
             tl.extra.cuda.gdc_wait()
-        if m0 < seg_len:
-            # columns past the slot's rank (a rank-0 slot: all of them) hold zeros, in this split's plane:
-            # readers then need no rank (decode_linear's epilogue masks h by R alone)
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < seg_len
-            tok = tl.load(meta_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            zero_ptrs = buf_ptr + split * stride_bsp + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
-            tl.store(zero_ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), mask=m_mask[:, None] & (offs_r < R)[None, :])
+        if ZERO_FILL:
+            # columns past the slot's rank (a rank-0 slot: all of them) hold zeros, in every plane a reader
+            # sums (plane 0 alone when the splits are summed here): decode_linear's epilogue loads no rank
+            _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl, R, stride_bsp, stride_bi,
+                         stride_bm, BLOCK_M, BLOCK_R, REDUCE)  # fmt: skip
         return
 
     if NUM_SLICES == 1:
@@ -188,21 +201,29 @@ def _pick_blocks(meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int) -> tu
     return block_m, block_k, split
 
 
+def _new_buf(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The output's storage, uninitialized (a seam: tests fill it with NaN to see what is written)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 def lora_shrink(
     x: torch.Tensor,
     lora_a: tuple[torch.Tensor, ...],
     meta: SegmentMeta,
     ranks: torch.Tensor,
+    max_rank: int,
     block_r: int = 16,
     reduce: bool = True,
+    zero_fill: bool = False,
 ) -> torch.Tensor:
     """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (P, n_slices, T, R) fp32 whose planes sum to x @ A_i[slot]^T.
 
     ``reduce``: the kernel sums its split-K partials itself, P = 1 (the engine's default); else P = the
     split and the reader (``lora_expand``, decode_linear's epilogue) sums the planes while loading them.
-    Every column of the rows of tokens with a slot is written: x @ A^T below the slot's rank, zeros
-    past it (a rank-0 slot: zeros only), so a reader needs no rank (decode_linear's epilogue); rows of
-    tokens without a slot are not written.
+    ``max_rank``: the largest of ``ranks`` in use (at most R). Rows of tokens with a slot are written
+    at columns r < ranks[slot], which is all ``lora_expand`` reads; with ``zero_fill`` every column (up
+    to R) of those rows is, zeros past the slot's rank, so that a reader needs no rank (decode_linear's
+    epilogue). Rows of tokens without a slot are never written.
     """
     n = len(lora_a)
     assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
@@ -223,11 +244,11 @@ def lora_shrink(
     assert meta.packed.device == x.device and meta.packed.dtype == torch.int32
     assert meta.num_tokens == T, f"mapping has {meta.num_tokens} tokens, x has {T}"
     R = a0.shape[2]
-    # NOTE: the rank axis covers all R columns of buf, not max_rank: programs past a slot's rank write
-    # zeros (no loads, no math), so that every column of a token with a slot is written
-    n_rblocks = triton.cdiv(R, block_r)
+    assert max_rank <= R
+    # zero_fill: the rank axis covers all R columns, not max_rank (programs past a slot's rank store zeros)
+    n_rblocks = triton.cdiv(R if zero_fill else max(max_rank, 1), block_r)
     block_m, block_k, split = _pick_blocks(meta, n, n_rblocks, K)
-    buf = torch.empty(split, n, T, R, dtype=torch.float32, device=x.device)
+    buf = _new_buf((split, n, T, R), x.device)
     if meta.num_segs == 0 or T == 0:
         return buf[:1]  # nothing is read
     k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
@@ -248,6 +269,7 @@ def lora_shrink(
         buf.stride(0), buf.stride(1), buf.stride(2), R,
         NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
+        ZERO_FILL=zero_fill,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
         USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip

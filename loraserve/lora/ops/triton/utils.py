@@ -38,7 +38,11 @@ def pdl_chain(device: torch.device) -> bool:
     kernel before it to finish before touching any memory (``pdl_link``). A LoRA shrink that follows
     one of them then launches while it runs, loads its A, and waits; the launch gaps between the links
     are hidden. Correct whatever comes before or after a link: a predecessor that never triggers
-    (cuBLAS, torch) only makes the launch ordinary, and every dependent waits before reading."""
+    (cuBLAS, torch) only makes the launch ordinary. The rule every PDL dependent keeps: before its
+    wait it reads only what was written before the forward (weights, the mapping) or what its
+    predecessor's own wait already covered (the fused GEMM reads x before its wait: the shrink before
+    it waited for x before letting it launch), and it writes only buffers no earlier kernel still uses
+    (the split-K partials and counters of its own persistent buffers)."""
     return PDL_CHAIN and use_pdl(device)
 
 
