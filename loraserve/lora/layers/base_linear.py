@@ -166,7 +166,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear(x, weight, bias) + the per-token LoRA delta (``apply_lora``'s numbers).
 
-        At decode sizes on the GPU the delta is more K columns of the GEMM (the shrink and one GEMM
+        At decode sizes on the GPU the delta rides in the GEMM's epilogue (the shrink and one GEMM
         launch instead of a GEMM, a shrink and an expand; ``LORASERVE_DECODE_LINEAR=0`` turns it off);
         otherwise, and everywhere else, the GEMM then ``apply_lora``.
         """

@@ -25,10 +25,11 @@ class TritonLoRAOps:
     def __init__(self, device: torch.device):
         self.device = device
         self.fuses_linear = decode.enabled()  # linear_with_lora takes decode_linear (on by default, read once)
-        # where add_lora_linear's shrink partials are summed: in the shrink (its last split, through an
-        # atomic counter), the default, or in the loads of the expand: LORASERVE_SHRINK_REDUCE=0
-        # (linear_with_lora's shrink always sums them). Session 6 (H200, Llama-8B, 32 tokens, 8 adapters,
-        # CUDA graphs): LoRA cost per layer 31.0 µs summed in the shrink vs 33.5 summed by the reader
+        # where the shrink's split-K partials are summed: in the shrink (its last split, through an atomic
+        # counter), the default, or in the loads of the expand (or of decode_linear's epilogue):
+        # LORASERVE_SHRINK_REDUCE=0. Session 6 (H200, Llama-8B, 32 tokens, 8 adapters, CUDA graphs):
+        # LoRA cost per layer 31.0 µs summed in the shrink vs 33.5 summed by decode_linear's epilogue,
+        # whose every program (once per wave) pays for the plane loads (up to 16 at a time) after its K loop
         self.shrink_reduces = os.environ.get("LORASERVE_SHRINK_REDUCE", "1") != "0"
         # id(ranks list) -> (the list, its contents when copied, int32 device copy). Layers keep their
         # ``slot_ranks`` list for life, so the id is stable; holding the list keeps the id unique.

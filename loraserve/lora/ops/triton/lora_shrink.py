@@ -15,11 +15,11 @@ Split-K (decode sizes have few segments, so K is split to keep the SMs streaming
 writes its partial to its own plane of ``buf``; the last program of a group to arrive (an atomic
 counter) sums the planes in plane order, up to 16 independent loads at a time, and writes the total
 to plane 0 (``reduce=True``, the engine's default); or (LORASERVE_SHRINK_REDUCE=0) each split keeps
-its plane and the expand sums them the same way while loading (``expand`` always sums here). Either
-is deterministic and needs no zeroing. Summing here measured cheaper at decode (H200, Llama-8B, 32
-tokens, 8 adapters: 31.0 vs 33.5 µs of LoRA cost per layer, BENCHMARKS.md session 6, when
-decode_linear's epilogue was the reader: it ran once per wave of its programs, after the K loop,
-where the plane loads were latency nobody hid; here they are one program's tail per group).
+its plane and the reader (the expand, or decode_linear's epilogue) sums them the same way while
+loading. Either is deterministic and needs no zeroing. Summing here measured cheaper at decode
+(H200, Llama-8B, 32 tokens, 8 adapters: 31.0 vs 33.5 µs of LoRA cost per layer, BENCHMARKS.md
+session 6): decode_linear's epilogue runs once per wave of its programs, after the K loop, where
+the plane loads are latency nobody hides; here they are one program's tail per group.
 
 At decode sizes each program's K range is a single block: its tile of A (weights, written before
 the forward) is loaded before the PDL wait, overlapping the previous kernel's tail; x is read after.

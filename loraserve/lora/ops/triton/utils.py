@@ -39,9 +39,10 @@ def pdl_chain(device: torch.device) -> bool:
     one of them then launches while it runs, loads its A, and waits; the launch gaps between the links
     are hidden. Correct whatever comes before or after a link: a predecessor that never triggers
     (cuBLAS, torch) only makes the launch ordinary. The rule every PDL dependent keeps: before its
-    wait it reads only what was written before the forward (weights, the mapping: the shrink loads its
-    A, decode_linear pulls its W into L2), and it writes only buffers no earlier kernel still uses (the
-    split-K partials and counters of its own persistent buffers)."""
+    wait it reads only what was written before the forward (weights, the mapping) or what its
+    predecessor's own wait already covered (the fused GEMM reads x before its wait: the shrink before
+    it waited for x before letting it launch), and it writes only buffers no earlier kernel still uses
+    (the split-K partials and counters of its own persistent buffers)."""
     return PDL_CHAIN and use_pdl(device)
 
 
@@ -97,8 +98,8 @@ def dot_in(a, b, CDT: tl.constexpr, IEEE: tl.constexpr):
 def sum_planes(ptrs, mask, n_planes, plane_stride, RED: tl.constexpr, PAST_L1: tl.constexpr):
     """The sum over p < n_planes of the (masked) tiles at ptrs + p * plane_stride, in fp32, in plane order.
 
-    The split-K planes of the LoRA shrink, summed by whoever reads them (the shrink's last split, or
-    the expand). RED loads are issued together: one L2 round trip for up to RED
+    The split-K planes of the LoRA shrink, summed by whoever reads them (the shrink's last split, the
+    expand, decode_linear's epilogue). RED loads are issued together: one L2 round trip for up to RED
     planes, where one load per plane in a runtime loop paid one each (the shrink splits K 16-56 ways at
     decode sizes); unrolling all planes made the compiler stage them in shared memory (704 KB,
     OutOfResources). Plane order whatever the tile shape gives the same bits (a tl.sum's order follows
