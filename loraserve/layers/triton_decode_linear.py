@@ -295,29 +295,28 @@ def _decode_linear_kernel(
             _store(acc, pid_n, y_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N)
             return
 
-    if PARTS > 1:
-        # Serial split-K: every part writes its partial to its own plane; the last of a column block to
-        # arrive sums the base planes in plane order (deterministic, whoever is last), adds the bias, rounds,
-        # then adds the delta program's plane (with LoRA) and rounds again, as the unsplit path does.
-        # NOTE: CUTLASS's semaphore pattern: all threads' stores, a CTA barrier, then one acq_rel atomic
-        # at GPU scope publishes them; the last arrival reads the planes past L1 (.cg), which is not
-        # coherent across SMs, and puts the counter back to zero for the next launch.
-        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
-        plane = tl.cdiv(N, BLOCK_N) * (BLOCK_N * BLOCK_M)  # elements of one part's plane
-        tl.store(ws_ptr + part * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == PARTS - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for sp in tl.static_range(SPLIT_W):
-                total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            if HAS_LORA:
-                delta = tl.load(ws_ptr + SPLIT_W * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
-                total = total.to(y_ptr.dtype.element_ty).to(tl.float32) + delta
-            _store(total, pid_n, y_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N)
+    # Serial split-K: every part writes its partial to its own plane; the last of a column block to
+    # arrive sums the base planes in plane order (deterministic, whoever is last), adds the bias, rounds,
+    # then adds the delta program's plane (with LoRA) and rounds again, as the unsplit path does.
+    # NOTE: CUTLASS's semaphore pattern: all threads' stores, a CTA barrier, then one acq_rel atomic
+    # at GPU scope publishes them; the last arrival reads the planes past L1 (.cg), which is not
+    # coherent across SMs, and puts the counter back to zero for the next launch.
+    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+    plane = tl.cdiv(N, BLOCK_N) * (BLOCK_N * BLOCK_M)  # elements of one part's plane
+    tl.store(ws_ptr + part * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, acc)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == PARTS - 1:
+        total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for sp in tl.static_range(SPLIT_W):
+            total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if HAS_LORA:
+            delta = tl.load(ws_ptr + SPLIT_W * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
+            total = total.to(y_ptr.dtype.element_ty).to(tl.float32) + delta
+        _store(total, pid_n, y_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
