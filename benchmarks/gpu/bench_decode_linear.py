@@ -1,5 +1,5 @@
 """Decode-size linear layers on the GPU: cuBLAS vs ``decode_linear``, and the LoRA'd layer unfused
-(cuBLAS GEMM + shrink + expand) vs fused (shrink + one GEMM over W's and the slots' B's columns).
+(cuBLAS GEMM + shrink + expand) vs fused (shrink + GEMM with the expand in its epilogue).
 
 Each measurement is a CUDA graph of the op over ``--layers`` distinct weight copies (so W streams from
 HBM as in a real decode step, not from L2), replayed by ``triton.testing.do_bench``; µs per op = graph
@@ -25,7 +25,6 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 from loraserve.layers import triton_decode_linear as dl
-from loraserve.lora.layers.packed_b import pack_b
 from loraserve.lora.ops import triton_ops
 from loraserve.lora.ops.triton import utils as triton_utils
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
@@ -95,7 +94,6 @@ class Case:
                 tuple((torch.randn(S, 1, n, R, device=DEV, generator=g) * 0.02).to(lora_dtype) for n in slices)
                 for _ in range(layers)
             ]
-            self.packed = [pack_b(B, torch.bfloat16) for B in self.Bs]
             active = min(S, M)
             el = torch.empty((), dtype=lora_dtype).element_size()
             self.lora_bytes = active * R * (K * len(slices) + N) * el
@@ -122,6 +120,8 @@ def bench_base(case: Case, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
 
 def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
     """(unfused µs, fused µs) per LoRA'd op, 8 adapters mixed."""
+    rank_dev = ops.ranks_tensor(case.ranks)
+    R = case.As[0][0].shape[2]
 
     def unfused():
         for w, A, B in zip(case.ws, case.As, case.Bs):
@@ -129,37 +129,31 @@ def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> 
             ops.add_lora_linear(y, case.x, A, B, case.ranks, case.meta)
 
     def fused():  # the engine's path (TritonLoRAOps.linear_with_lora), with these tiles
-        for w, A, P in zip(case.ws, case.As, case.packed):
-            fused_op(case, ops, w, A, P, tiles)
+        for w, A, B in zip(case.ws, case.As, case.Bs):
+            buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
+            epi = dl.ExpandEpilogue(buf, B, case.mapping.token_slots, pdl=ops_pdl(case.x.device))
+            dl.decode_linear(case.x, w, lora=epi, tiles=tiles)
 
     return graph_us(unfused, len(case.ws)), graph_us(fused, len(case.ws))
 
 
-def fused_op(case: Case, ops: TritonLoRAOps, w, A, P, tiles) -> torch.Tensor:
-    """TritonLoRAOps.linear_with_lora's launches, with these tiles."""
-    rank_dev = ops.ranks_tensor(case.ranks)
-    s = lora_shrink(case.x, A, case.meta, rank_dev, A[0].shape[2], expand=True)
-    cols = dl.LoRAColumns(s, P, case.mapping.token_slots, case.slices)
-    return dl.decode_linear(case.x, w, lora=cols, tiles=tiles, pdl_dependent=ops_pdl(case.x.device))
-
-
 def bench_parts(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
-    """(shrink + plain GEMM µs, GEMM with the LoRA columns on a ready s µs) per op: which part of the
-    fused op's LoRA cost is the shrink launch and which the GEMM's LoRA columns."""
+    """(shrink + plain GEMM µs, GEMM with the epilogue on a precomputed buf µs) per op: which half of the
+    fused op's LoRA cost is the shrink launch and which the epilogue."""
     rank_dev = ops.ranks_tensor(case.ranks)
     R = case.As[0][0].shape[2]
-    ss = [lora_shrink(case.x, A, case.meta, rank_dev, R, expand=True) for A in case.As]
+    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True) for A in case.As]
 
     def shrink_then_gemm():
         for w, A in zip(case.ws, case.As):
-            lora_shrink(case.x, A, case.meta, rank_dev, R, expand=True)
+            lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
             dl.decode_linear(case.x, w, tiles=tiles)
 
-    def columns_only():
-        for w, P, s in zip(case.ws, case.packed, ss):
-            dl.decode_linear(case.x, w, lora=dl.LoRAColumns(s, P, case.mapping.token_slots, case.slices), tiles=tiles)
+    def epilogue_only():
+        for w, B, buf in zip(case.ws, case.Bs, bufs):
+            dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, case.mapping.token_slots), tiles=tiles)
 
-    return graph_us(shrink_then_gemm, len(case.ws)), graph_us(columns_only, len(case.ws))
+    return graph_us(shrink_then_gemm, len(case.ws)), graph_us(epilogue_only, len(case.ws))
 
 
 def ops_pdl(device) -> bool:
@@ -167,14 +161,13 @@ def ops_pdl(device) -> bool:
 
 
 MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a time against the default
-    "default": ("a lora_shrink launch (into every slot's columns of s), then one GEMM over W's and B's columns (PDL)", {}),
-    "no W prefetch": ("the GEMM pulls none of its W into L2 before its PDL wait", {"prefetch_w": 0}),
+    "default": ("a lora_shrink launch that sums its splits, then the GEMM with the expand in its epilogue (PDL)", {}),
     "no PDL chain": ("the kernel before the shrink (here the GEMM) lets it launch only when it ends", {"chain": False}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
     "no PDL": ("two ordinary launches", {"pdl": False}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
     # {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)} (session 6); the delta in a launch
-    # of its own after the GEMM (session 7, commit bfb8465); the delta in the GEMM's epilogue (sessions 4-7)
+    # of its own after the GEMM (session 7, commit bfb8465)
 }
 PARTS = ("default",)  # configs whose cost is also split into shrink and epilogue
 
@@ -186,23 +179,22 @@ def matrix(layers: int) -> list[dict]:
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
     rows = []
-    bases: dict[tuple, dict[str, tuple[float, float]]] = {}
+    bases: dict[bool, dict[str, tuple[float, float]]] = {}
 
     def base_times() -> dict[str, tuple[float, float]]:
-        """(cuBLAS, decode_linear) µs per op under the current PDL chain and W prefetch settings, which the
-        base GEMM takes part in: each knob's LoRA cost is measured against the base GEMM of the same setting."""
+        """(cuBLAS, decode_linear) µs per op under the current PDL chain setting, which the base GEMM
+        takes part in: each knob's LoRA cost is measured against the base GEMM of the same setting."""
         chain = triton_utils.PDL_CHAIN
-        key = (chain, dl.PREFETCH_BLOCKS)
-        if key not in bases:
-            bases[key] = {}
+        if chain not in bases:
+            bases[chain] = {}
             for name, K, slices in SHAPES["llama-8b"][:4]:
                 case = Case(K, slices, 32, layers)
-                bases[key][name] = bench_base(case, dl.default_tiles(32, case.N, K, torch.bfloat16))
+                bases[chain][name] = bench_base(case, dl.default_tiles(32, case.N, K, torch.bfloat16))
                 del case
-        return bases[key]
+        return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, dl.PREFETCH_BLOCKS)  # fmt: skip
+             triton_utils.PDL_CHAIN)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if knobs.get("pdl") is False:
             shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = lambda device: False
@@ -210,7 +202,6 @@ def matrix(layers: int) -> list[dict]:
         shrink_mod.PREFETCH_A = knobs.get("prefetch", saved[3])
         shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
         triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
-        dl.PREFETCH_BLOCKS = knobs.get("prefetch_w", saved[6])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -223,14 +214,14 @@ def matrix(layers: int) -> list[dict]:
             if cfg in PARTS:
                 t_sh, t_epi = bench_parts(lc, ops, tiles)
                 print(f"| {cfg} parts | {name} | shrink + plain GEMM costs {t_sh - t_ours:.1f} µs | "
-                      f"LoRA columns on a ready s cost {t_epi - t_ours:.1f} µs | fused {t_fus - t_ours:.1f} µs |", flush=True)  # fmt: skip
+                      f"epilogue on a ready buf costs {t_epi - t_ours:.1f} µs | fused {t_fus - t_ours:.1f} µs |", flush=True)  # fmt: skip
             rows.append(dict(cfg=cfg, what=what, op=name, cublas_us=t_cublas, ours_us=t_ours, unfused_us=t_unf,
                              fused_us=t_fus, cost_unfused=t_unf - t_cublas, cost_fused=t_fus - t_ours, err=err))  # fmt: skip
             print(f"| {cfg} | {name} | {t_cublas:.1f} | {t_unf:.1f} | {t_unf - t_cublas:.1f} | {t_ours:.1f} | "
                   f"{t_fus:.1f} | {t_fus - t_ours:.1f} | {err:.1e} |", flush=True)  # fmt: skip
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
-        shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, dl.PREFETCH_BLOCKS = saved[3:7]
+        shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN = saved[3:6]
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])
@@ -244,10 +235,13 @@ def matrix(layers: int) -> list[dict]:
 
 def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
     """Relative error of the fused layer vs the unfused one (bf16: a rounding apart)."""
+    rank_dev = ops.ranks_tensor(case.ranks)
     w, A, B = case.ws[0], case.As[0], case.Bs[0]
+    R = A[0].shape[2]
     ref = F.linear(case.x, w)
     ops.add_lora_linear(ref, case.x, A, B, case.ranks, case.meta)
-    y = fused_op(case, ops, w, A, case.packed[0], tiles)
+    buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
+    y = dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, case.mapping.token_slots), tiles=tiles)
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 

@@ -1,45 +1,41 @@
-"""A linear layer at decode sizes (<= 32 tokens) on the GPU, optionally with every token's LoRA delta
-as more columns of the same GEMM.
+"""A linear layer at decode sizes (<= 32 tokens) on the GPU, with an optional per-token low-rank
+epilogue: the LoRA expand, in the same launch as the GEMM.
 
-    y = round(round(x @ W^T + bias) + s @ B_packed^T)         (the LoRA columns: lora/layers/packed_b.py)
+    y = round(x @ W^T + bias) + sum_i B_i[slot(t)] (s_i[t])      (slice i owns columns [off_i, off_i + N_i))
 
-where s (tokens, S*R) is ``lora_shrink(expand=True)``'s output: each token's x @ A_j^T in its own slot
-j's columns, zeros in the others; B_packed (N, P*S*R) is every slot's B (P = 2 bf16 planes hi + lo for
-fp32 LoRA weights, 1 for bf16 ones; the P planes of B all meet the same s). The base layers call it
-without LoRA where it beats cuBLAS (``prefer_over_cublas``); the LoRA layers with it
-(lora/ops/triton_ops.py).
+where ``s`` is ``lora_shrink``'s output (x @ A_i[slot(t)]^T in fp32, as split-K planes that are summed here,
+or already summed by the shrink: one plane, the engine's default). The base
+layers call it without the epilogue where it beats cuBLAS (``prefer_over_cublas``); the LoRA layers
+call it with the epilogue (lora/ops/triton_ops.py).
 
 Why: at decode sizes a LoRA'd op was three launches (cuBLAS GEMM, shrink, expand), and the two LoRA
 kernels cost ~10-15 µs per op on the H200 whatever they moved: launch and latency, not bytes. Here the
-delta rides on the GEMM that already streams W: after a program's K blocks of W come the E = P*S*R
-columns of B, through the same pipelined loads, so B's latency hides behind W's stream and the delta
-costs about its bytes. Columns of slots absent from the batch are not loaded (up to 64 slots).
+expand rides on the GEMM that already streams W: each program, after its K loop over its BLOCK_N rows
+of W, adds the delta of those columns (``expand_block.block_delta``). The shrink stays a launch of its
+own before the GEMM; under programmatic dependent launch (Hopper) the GEMM starts while the shrink
+runs, streams W, and waits (``gdc_wait``) only before reading the shrink's partials. Either way the
+kernel is a link of the decode step's PDL chain (``utils.pdl_chain``): it lets its dependent launch
+at once; without the epilogue (or when the shrink launched nothing) it also waits for the kernel
+before it before reading x, and with it the shrink has waited for x.
 
-PDL: the kernel is a link of the decode step's chain (``utils.pdl_chain``) or the shrink's dependent:
-it lets its own dependent launch at once, pulls the first K blocks of its W into L2 (nothing before
-wrote W), then waits for the kernel before it to finish before reading x or s.
-
-History (H200, Llama-8B shapes, 32 tokens, 8 fp32 adapters; BENCHMARKS.md):
-- Sessions 4-7: the delta in the epilogue after the K loop (B, s and the slots loaded there, one MMA
-  per chunk of slots; the GEMM read x before its wait, and waited for the shrink only before the
-  epilogue). Its loads were latency nobody hid: gate_up's epilogue cost 8.0 µs on a ready buffer, for
-  3.5 µs of bytes, and the LoRA cost per layer was 24.8 µs at its best (session 7).
-- The shrink inside this launch (session 6, commit 71c6a33): slower, 42 vs 31 µs per layer (its
-  units' loads of A delayed the first wave's stream of W).
-- The delta in a launch of its own after the GEMM (session 7, commit bfb8465): slower, 36.4 vs 23.8.
+NOTE: the shrink inside this launch was tried (session 6, commit 71c6a33): the first programs, at most
+one per SM, computed the shrink's units before their K loop and published them through an atomic
+counter that every program waited on after its own K loop (with a fallback against starvation). It
+removed a launch per op but measured slower (H200, Llama-8B shapes, 32 tokens, 8 fp32 adapters: 42
+vs 31 µs of LoRA cost per layer; the 8-adapter step 6.34 vs 5.97 ms): the units' loads of A delayed the
+first wave's stream of W, where a shrink launch's A loads overlap the previous kernel's tail. It was
+removed; a GEMM whose warps specialize (some stream W while others run the shrink) could revive it.
 
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
-columns; with ``split_k`` > 1 several programs share one over slices of K, one more computes the LoRA
-columns alone, and the last to finish sums their partials in a fixed order (deterministic): small
-layers (o_proj, qkv) have too few column blocks to keep every SM streaming W otherwise.
+columns; with ``split_k`` > 1 several programs share one over slices of K, and the last to finish
+sums their partials in a fixed order and runs the epilogue (deterministic): small layers (o_proj,
+qkv) have too few column blocks to keep every SM streaming W otherwise.
 
-Numerics: fp32 accumulation, bias added in fp32, the base output rounded to y's dtype, then the delta
-(s rounded to x's dtype, products in x's dtype on the tensor cores, fp32 accumulation) added and
-rounded once more. This is PEFT's order, ``result = base(x); result = result + lora_B(lora_A(x)) * s``
-with the fp32 sum rounded. With bf16 LoRA weights the delta's numbers are the reference's (which
-rounds its intermediate to B's dtype); with fp32 ones B keeps 16 bits of mantissa (hi + lo) and s
-8 (bf16), where the reference multiplies in fp32 (and the unfused kernels in tf32: 10 and 10).
+Numerics (the same as the unfused path, cuBLAS GEMM then the expand kernel): fp32 accumulation, bias
+added in fp32, the base output rounded to y's dtype, then the delta (fp32: s rounded to B's dtype,
+products tf32 for fp32 B with half activations, as ``lora_expand``) added and rounded once more. This
+is PEFT's order, ``result = base(x); result = result + lora_B(lora_A(x)) * s`` with the fp32 sum rounded.
 """
 
 from __future__ import annotations
@@ -52,14 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.utils import (
-    compute_dtype_of,
-    dot_in,
-    pdl_chain,
-    persistent_buffer,
-    prefetch_l2,
-    tl_dtype,
-)
+from loraserve.lora.ops.triton.expand_block import block_delta, slots_per_chunk
+from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, pdl_link, persistent_buffer, tl_dtype
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 
@@ -77,24 +67,18 @@ class DecodeTiles:
 
 
 @dataclass
-class LoRAColumns:
-    """Every token's LoRA delta as E more columns of the GEMM (the module docstring).
+class ExpandEpilogue:
+    """What the epilogue needs: the shrink's partials and the slots' B.
 
-    s: (n_slices, M, S*R) in x's dtype, ``lora_shrink(expand=True)``: the rows of tokens with a slot,
-    every column written; rows of base tokens may hold anything (never loaded). b_packed: (N, P, S, R)
-    in x's dtype, contiguous (``packed_b.pack_b``). token_slots: (M,) int on the device, -1 = base.
-    slices: the widths of the 1-3 slices (s's first dimension), summing to N.
+    buf: (SPLIT_K, n_slices, M, R) fp32 from ``lora_shrink``: every column written for the tokens with a
+    slot (zeros past its rank); rows of base tokens may hold anything (never used). lora_b: per slice
+    (S, 1, N_i, R), contiguous. token_slots: (M,) int on the device, -1 = base.
     """
 
-    s: torch.Tensor
-    b_packed: torch.Tensor
+    buf: torch.Tensor
+    lora_b: tuple[torch.Tensor, ...]
     token_slots: torch.Tensor
-    slices: tuple[int, ...]
-
-
-# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it): K blocks of W each program pulls
-# into L2 before its PDL wait (0: none)
-PREFETCH_BLOCKS = int(os.environ.get("LORASERVE_PREFETCH_W", "4"))
+    pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
 
 
 def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
@@ -139,32 +123,79 @@ def prefer_over_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _or(a, b):
-    return a | b
+def _epilogue(
+    acc,
+    pid_n,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    stride_ym,
+    buf_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    slots_ptr,
+    S,
+    SPLIT_K,
+    N0,
+    N1,
+    stride_bsp,
+    stride_bi,
+    stride_bm,
+    stride_ws0,
+    stride_ws1,
+    stride_ws2,
+    R: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_CHUNK: tl.constexpr,
+    RED: tl.constexpr,
+    LORA_WDT: tl.constexpr,
+    LORA_CDT: tl.constexpr,
+    LORA_IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out_dt = y_ptr.dtype.element_ty
+    y = acc.to(out_dt)  # (BLOCK_N, BLOCK_M): the base output, rounded as cuBLAS's would be
+
+    if HAS_LORA:
+        # NOTE: slots and B are loaded here, after the K loop: loaded before it (held in registers
+        # across the loop) they cost gate_up 21.4 instead of 12.8 µs of LoRA (session 6, H200, 8 slots)
+        delta = block_delta(
+            pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
+            stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+            R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+        )  # fmt: skip
+        y = (y.to(tl.float32) + delta).to(out_dt)
+
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, y, mask=n_mask[:, None] & m_mask[None, :])
 
 
-@triton.jit
-def _lora_slice(pid_n, N0, N1, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The slice (0-2) of column block pid_n (BLOCK_N divides every slice: a block lies in one)."""
-    col0 = pid_n * BLOCK_N
-    sl = pid_n * 0
-    if NUM_SLICES > 1:
-        sl += (col0 >= N0).to(tl.int32)
-    if NUM_SLICES > 2:
-        sl += (col0 >= N0 + N1).to(tl.int32)
-    return sl
 
 
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
 # of 16 and vectorizes the loads; only M (the token count) is a runtime value.
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
 def _decode_linear_kernel(
     x_ptr,
     w_ptr,
     bias_ptr,
     y_ptr,
-    ws_ptr,  # fp32 (PARTS, n_blocks, BLOCK_N, BLOCK_M): split-K partials (PARTS > 1)
-    cnt_ptr,  # int32 (n_blocks,): arrivals per column block, zero between launches (PARTS > 1)
+    ws_ptr,  # fp32 (SPLIT_W, n_blocks, BLOCK_N, BLOCK_M): split-K partials (SPLIT_W > 1)
+    cnt_ptr,  # int32 (n_blocks,): arrivals per column block, zero between launches (SPLIT_W > 1)
     M,
     N,
     K,
@@ -172,160 +203,109 @@ def _decode_linear_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
-    # the LoRA columns (E > 0): s (n_slices, M, SR) and B packed (N, E), both in x's dtype
-    s_ptr,
-    bp_ptr,
+    # LoRA expand epilogue (unused when not HAS_LORA)
+    buf_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
     slots_ptr,
+    S,
+    SPLIT_K,
     N0,
     N1,
-    stride_ss,
-    stride_sm,
-    stride_bpn,
-    E: tl.constexpr,  # LoRA columns: P planes x S slots x R ranks (HAS_LORA)
-    SR: tl.constexpr,  # S x R: s's columns (plane p of B meets s's columns e % SR)
+    stride_bsp,
+    stride_bi,
+    stride_bm,
+    stride_ws0,
+    stride_ws1,
+    stride_ws2,
     R: tl.constexpr,
-    NSLOT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
     NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_CHUNK: tl.constexpr,
+    RED: tl.constexpr,
     SPLIT_W: tl.constexpr,
-    PARTS: tl.constexpr,  # programs per column block: SPLIT_W, + 1 (the delta alone) with LoRA and SPLIT_W > 1
-    HAS_LORA: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
-    LINK: tl.constexpr,  # a PDL dependent (a link of the step's chain, or the shrink's dependent): wait first
-    PREFETCH: tl.constexpr,  # K blocks of this program's W pulled into L2 before the wait
-    LINE: tl.constexpr,  # elements of W per 128-byte line
+    LORA_WDT: tl.constexpr,
+    LORA_CDT: tl.constexpr,
+    LORA_IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
+    WAIT_FIRST: tl.constexpr,  # (PDL_CHAIN) wait for the kernel before us before reading x
 ):
     pid = tl.program_id(0)
-    pid_n = pid // PARTS
-    part = pid % PARTS
-    if part < SPLIT_W:
-        k_lo = part * k_per_split
-        k_hi = tl.minimum(K, k_lo + k_per_split)
-    else:  # the delta program: no columns of W
+    if PDL_CHAIN:
+        pdl_link(WAIT_FIRST)
+    if SPLIT_W == 1:
+        pid_n = pid
         k_lo = pid * 0
-        k_hi = pid * 0
+    else:
+        pid_n = pid // SPLIT_W
+        k_lo = (pid % SPLIT_W) * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    if LINK:
-        tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH > 0:
-            # W does not depend on the kernel before: start streaming it while that kernel finishes
-            cols = tl.minimum(k_lo + tl.arange(0, PREFETCH * BLOCK_K // LINE) * LINE, K - 1)
-            prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn + cols[None, :])
-        tl.extra.cuda.gdc_wait()  # x (and s) only once the kernel before has finished and flushed
-
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if HAS_LORA:
-        # One loop over this program's K columns, then (if it owns the delta) the E LoRA columns: the
-        # slots' B stream through the same pipelined loads as W, and s replaces x.
-        bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        sl = _lora_slice(pid_n, N0, N1, NUM_SLICES, BLOCK_N)
-        b_rows = bp_ptr + offs_n[:, None].to(tl.int64) * stride_bpn
-        x_rows = x_ptr + offs_m[:, None] * stride_xm
-        s_rows = s_ptr + sl * stride_ss + offs_m[:, None] * stride_sm
-        slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)
-        has_slot = slot >= 0  # rows of base tokens in s hold anything: never loaded
-        if NSLOT <= 64:
-            # the slots in this batch: the columns of the others are not loaded (they would meet zeros)
-            present = tl.reduce(tl.where(has_slot, tl.full((BLOCK_M,), 1, tl.int64) << slot.to(tl.int64), 0), 0, _or)
-        n_base = (tl.maximum(k_hi - k_lo, 0) + BLOCK_K - 1) // BLOCK_K
-        n_lora = (E + BLOCK_K - 1) // BLOCK_K
-        if SPLIT_W == 1:
-            n_iter = n_base + n_lora
-        else:  # only the delta program (no columns of W) owns the LoRA columns
-            n_iter = n_base + tl.where(part == SPLIT_W, n_lora, 0)
-        out_dt = y_ptr.dtype.element_ty
-        for it in range(0, n_iter):
-            is_lora = it >= n_base
-            kb = k_lo + it * BLOCK_K + offs_k
-            e = (it - n_base) * BLOCK_K + offs_k
-            k_ok = tl.where(is_lora, e < E, kb < k_hi)
-            w_ok = k_ok
-            if NSLOT <= 64:
-                w_ok = tl.where(is_lora, k_ok & (((present >> ((e % SR) // R).to(tl.int64)) & 1) != 0), k_ok)
-            w = tl.load(
-                tl.where(is_lora, b_rows, w_rows) + tl.where(is_lora, e, kb)[None, :],
-                mask=n_mask[:, None] & w_ok[None, :],
-                other=0.0,
-            )
-            xt = tl.load(
-                tl.where(is_lora, s_rows, x_rows) + tl.where(is_lora, e % SR, kb)[None, :],
-                mask=tl.where(is_lora, m_mask & has_slot, m_mask)[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            if SPLIT_W == 1:
-                # PEFT's order: the base output (+ bias) is rounded to y's dtype before the delta is added
-                acc = tl.where(it == n_base, (acc + bias[:, None]).to(out_dt).to(tl.float32), acc)
-            acc += dot_in(w, tl.trans(xt), CDT, IEEE)
-        if SPLIT_W == 1:
-            _store(acc, pid_n, y_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N)
-            return
-    else:
-        w_ptrs = w_rows + (k_lo + offs_k)[None, :]
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-        for k in range(k_lo, k_hi, BLOCK_K):
-            if EVEN_K:
-                if EVEN_N:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-                xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            if EVEN_N:
+                w = tl.load(w_ptrs)
             else:
-                k_mask = (k + offs_k) < k_hi
-                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += dot_in(w, tl.trans(xt), CDT, IEEE)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        if SPLIT_W == 1:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            _store(acc, pid_n, y_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N)
-            return
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k + offs_k) < k_hi
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)), input_precision="ieee")
+        else:
+            acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)))
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
 
-    # Serial split-K: every part writes its partial to its own plane; the last of a column block to
-    # arrive sums the base planes in plane order (deterministic, whoever is last), adds the bias, rounds,
-    # then adds the delta program's plane (with LoRA) and rounds again, as the unsplit path does.
-    # NOTE: CUTLASS's semaphore pattern: all threads' stores, a CTA barrier, then one acq_rel atomic
-    # at GPU scope publishes them; the last arrival reads the planes past L1 (.cg), which is not
-    # coherent across SMs, and puts the counter back to zero for the next launch.
-    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
-    plane = tl.cdiv(N, BLOCK_N) * (BLOCK_N * BLOCK_M)  # elements of one part's plane
-    tl.store(ws_ptr + part * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, acc)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if arrived == PARTS - 1:
-        total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for sp in tl.static_range(SPLIT_W):
-            total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        if HAS_LORA:
-            delta = tl.load(ws_ptr + SPLIT_W * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
-            total = total.to(y_ptr.dtype.element_ty).to(tl.float32) + delta
-        _store(total, pid_n, y_ptr, M, N, stride_ym, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _store(acc, pid_n, y_ptr, M, N, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc (BLOCK_N, BLOCK_M), this program's columns for every token, rounded to y's dtype and stored."""
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+    if SPLIT_W == 1:
+        _epilogue(
+            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
+            S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+            R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+        )  # fmt: skip
+    else:
+        # Serial split-K: every split writes its partial to its own plane; the last of a column block to
+        # arrive sums the planes in plane order (deterministic, whoever is last) and finishes the block.
+        # NOTE: CUTLASS's semaphore pattern: all threads' stores, a CTA barrier, then one acq_rel atomic
+        # at GPU scope publishes them; the last arrival reads the planes past L1 (.cg), which is not
+        # coherent across SMs, and puts the counter back to zero for the next launch.
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+        plane = tl.cdiv(N, BLOCK_N) * (BLOCK_N * BLOCK_M)  # elements of one split's plane
+        tl.store(ws_ptr + (pid % SPLIT_W) * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_W - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for sp in tl.static_range(SPLIT_W):
+                total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            _epilogue(
+                total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
+                S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+                R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+            )  # fmt: skip
 
 
 def _block_m(M: int) -> int:
@@ -355,15 +335,12 @@ def decode_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    lora: LoRAColumns | None = None,
+    lora: ExpandEpilogue | None = None,
     tiles: DecodeTiles | None = None,
-    pdl_dependent: bool = False,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ weight (N, K)^T (+ bias) (+ the LoRA delta of ``lora``), in x's dtype.
 
     M <= MAX_TOKENS (a decode step); x and weight bf16/fp16, contiguous along K (``supports`` says which).
-    ``pdl_dependent``: launch as a PDL dependent of the kernel before (the LoRA shrink, which lets it
-    launch at once) even when the step's chain is off; it waits for that kernel before reading x or s.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -374,47 +351,62 @@ def decode_linear(
     tiles = tiles or default_tiles(M, N, K, x.dtype)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cdt = compute_dtype_of(x.dtype, weight.dtype)
-    lora_args: tuple = (x, x, x, 0, 0, 0, 0, 0)
-    lora_consts = dict(E=1, SR=1, R=1, NSLOT=1, NUM_SLICES=1, HAS_LORA=False)
+    lora_args: tuple = (x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    lora_consts = dict(
+        R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
+    )
+    pdl = False
     if lora is not None:
-        n_sl, m_s, sr = lora.s.shape
-        bp = lora.b_packed
-        assert 1 <= n_sl <= 3 and len(lora.slices) == n_sl and m_s == M, f"s {tuple(lora.s.shape)} does not fit"
-        assert lora.s.dtype == x.dtype and lora.s.stride(2) == 1
-        assert sum(lora.slices) == N and all(n % tiles.block_n == 0 for n in lora.slices), (
-            f"slices {lora.slices} must sum to N={N} and be multiples of block_n={tiles.block_n}"
+        b0 = lora.lora_b[0]
+        n_sl = len(lora.lora_b)
+        split, n_buf, m_buf, R = lora.buf.shape
+        assert 1 <= n_sl <= 3 and n_buf == n_sl and m_buf == M, f"buf {tuple(lora.buf.shape)} does not fit"
+        assert lora.buf.dtype == torch.float32 and lora.buf.stride(3) == 1
+        sizes = [b.shape[2] for b in lora.lora_b]
+        assert sum(sizes) == N and all(n % tiles.block_n == 0 for n in sizes), (
+            f"slices {sizes} must sum to N={N} and be multiples of block_n={tiles.block_n}"
         )
-        assert bp.dim() == 4 and bp.shape[0] == N and bp.is_contiguous() and bp.dtype == x.dtype, (
-            f"b_packed {tuple(bp.shape)} {bp.dtype}: (N={N}, P, S, R) contiguous in {x.dtype}"
-        )
-        _, planes, n_slots, R = bp.shape
-        assert n_slots * R == sr, f"s has {sr} columns, B packed {n_slots} slots x rank {R}"
+        for b in lora.lora_b:
+            assert b.dtype == b0.dtype and b.shape[0] == b0.shape[0] and b.shape[3] == R
+            assert b.stride()[1:] == (b.shape[2] * R, R, 1), "B must be contiguous (out, R) per slot"
         assert lora.token_slots.shape == (M,)
+        b1 = lora.lora_b[1] if n_sl > 1 else b0
+        b2 = lora.lora_b[2] if n_sl > 2 else b0
+        lcdt = compute_dtype_of(torch.float32 if b0.dtype == torch.float32 else b0.dtype, b0.dtype)
         lora_args = (
-            lora.s, bp, lora.token_slots, lora.slices[0], lora.slices[1] if n_sl > 1 else 0,
-            lora.s.stride(0), lora.s.stride(1), bp.stride(0),
+            lora.buf, b0, b1, b2, lora.token_slots, b0.shape[0], split,
+            sizes[0], sizes[1] if n_sl > 1 else 0,
+            lora.buf.stride(0), lora.buf.stride(1), lora.buf.stride(2),
+            b0.stride(0), b1.stride(0), b2.stride(0),
         )  # fmt: skip
-        lora_consts = dict(E=planes * sr, SR=sr, R=R, NSLOT=n_slots, NUM_SLICES=n_sl, HAS_LORA=True)
-    link = pdl_chain(x.device) or pdl_dependent
+        block_r = max(16, triton.next_power_of_2(R))
+        per_chunk = slots_per_chunk(b0.shape[0], block_r)
+        lora_consts = dict(
+            R=R, NUM_SLICES=n_sl, BLOCK_R=block_r, SLOTS_PER_CHUNK=per_chunk, RED=min(triton.next_power_of_2(split), 16), LORA_WDT=tl_dtype(b0.dtype),
+            LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
+        )  # fmt: skip
+        pdl = lora.pdl
+    chain = pdl_chain(x.device)
     block_m = _block_m(M)
     n_blocks = triton.cdiv(N, tiles.block_n)
     split = tiles.split_k
-    parts = split + 1 if lora is not None and split > 1 else split
     k_per_split = triton.cdiv(triton.cdiv(K, split), tiles.block_k) * tiles.block_k
     ws, cnt = (x, x)
-    if parts > 1:
-        ws = persistent_buffer(x.device, "decode_linear/partials", parts * n_blocks * tiles.block_n * block_m, torch.float32)
+    if split > 1:
+        ws = persistent_buffer(x.device, "decode_linear/partials", split * n_blocks * tiles.block_n * block_m, torch.float32)
         cnt = persistent_buffer(x.device, "decode_linear/arrivals", n_blocks)
-    _decode_linear_kernel[(n_blocks * parts,)](
+    _decode_linear_kernel[(n_blocks * split,)](
         x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0),
         *lora_args,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split, PARTS=parts,
+        HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
         EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
-        LINK=link, PREFETCH=PREFETCH_BLOCKS if link else 0, LINE=128 // x.element_size(),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=link,
+        # NOTE: as the shrink's dependent (USE_PDL) we may read x at once: the shrink waited for it before
+        # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
+        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        launch_pdl=pdl or chain,
         **lora_consts,
     )  # fmt: skip
     return y

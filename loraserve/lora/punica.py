@@ -208,18 +208,15 @@ class PunicaWrapper:
         lora_a_stacked: tuple[torch.Tensor, ...],
         lora_b_stacked: tuple[torch.Tensor, ...],
         ranks: list[int],
-        b_packed: torch.Tensor,
     ) -> torch.Tensor | None:
         """The base GEMM and the LoRA delta in one go where a kernel does both (the GPU at decode sizes);
-        None elsewhere: then the caller runs ``F.linear`` and ``apply_lora_linear``. ``b_packed``: the
-        layer's B as extra K columns (``lora/layers/packed_b.py``)."""
+        None elsewhere: then the caller runs ``F.linear`` and ``apply_lora_linear``."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.linear_with_lora(
-            x, weight, bias, lora_a_stacked, tuple(b.shape[2] for b in lora_b_stacked), b_packed, ranks,
-            mapping.token_meta, mapping.token_slots,
-        )  # fmt: skip
+            x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots
+        )
 
     def add_lora_embedding(
         self, y: torch.Tensor, ids: torch.Tensor, emb_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int]

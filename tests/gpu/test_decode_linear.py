@@ -1,4 +1,4 @@
-"""decode_linear (a decode-size GEMM with every token's LoRA delta as more K columns) against torch on random data.
+"""decode_linear (a decode-size GEMM with the LoRA expand in its epilogue) against torch on random data.
 
 The reference is F.linear rounded to the layer's dtype, plus the torch_ops LoRA delta in fp32, rounded
 once more: the unfused path's numbers. Random A and B (never zeros), garbage past each slot's rank,
@@ -18,12 +18,11 @@ DEV = triton_device()
 
 from loraserve.layers.triton_decode_linear import (  # noqa: E402
     DecodeTiles,
-    LoRAColumns,
+    ExpandEpilogue,
     decode_linear,
     default_tiles,
     supports,
 )
-from loraserve.lora.layers.packed_b import pack_b, write_slot  # noqa: E402
 from loraserve.lora.ops import torch_ops  # noqa: E402
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink  # noqa: E402
 from loraserve.lora.ops.triton_ops import TritonLoRAOps  # noqa: E402
@@ -75,14 +74,13 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-{len(c[2])}sl-S{c[3]}-R{c[4]}-{c[5]}-{c[6]}")
 @pytest.mark.parametrize("bias", [False, True])
-def test_decode_linear_with_lora_matches_reference(case, bias, monkeypatch):
-    """The shrink writes s over every slot's columns; its storage starts as NaN: what it does not write
-    (rows of base tokens) must not matter, and neither must the packed B of a slot absent from the batch."""
+@pytest.mark.parametrize("shrink_reduces", [True, False], ids=["one-plane", "planes"])
+def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces, monkeypatch):
+    """The shrink sums its split-K planes (the engine's default) or leaves them for the epilogue to sum.
+    The shrink's storage starts as NaN: what it does not write (rows of base tokens) must not matter."""
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
-    monkeypatch.setattr(
-        shrink_mod, "_new_buf", lambda shape, device, dtype=torch.float32: torch.full(shape, float("nan"), dtype=dtype, device=device)
-    )  # fmt: skip
+    monkeypatch.setattr(shrink_mod, "_new_buf", lambda shape, device: torch.full(shape, float("nan"), device=device))
     M, K, outs, S, R, xdt, wdt, tiles = case
     skip_interpreted_bf16(xdt, wdt)
     g = torch.Generator().manual_seed(M * 7 + K)
@@ -104,26 +102,16 @@ def test_decode_linear_with_lora_matches_reference(case, bias, monkeypatch):
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
     assert supports(x, w, outs, tiles) == (xdt != torch.float32)
 
-    s = lora_shrink(x, As, meta, rank_dev, R, expand=True)
-    assert s.shape == (len(outs), M, S * R) and s.dtype == xdt
-    # a token with a slot: its h in its slot's columns (rounded to x's dtype), zeros past the rank and in
-    # every other slot's columns; rows of base tokens are not written (NaN): decode_linear must skip them
-    for i, a in enumerate(As):
-        h = torch.zeros(M, R, dtype=torch.float32, device=DEV)
-        torch_ops.lora_shrink(x, a.float(), mapping.token_segments, ranks, h)
-        for t, sl in enumerate(slots):
-            row = s[i, t].view(S, R)
-            if sl < 0:
-                assert row.isnan().all()
-                continue
-            want = torch.zeros(S, R, dtype=torch.float32, device=DEV)
-            want[sl] = h[t]
-            want[sl, ranks[sl] :] = 0.0
-            assert torch.allclose(row.float(), want, rtol=1e-2, atol=1e-2 * h[t].abs().max().item())
-            assert torch.equal(row.float() == 0, want == 0) or ranks[sl] == 0
-    bp = pack_b(Bs, xdt)
-    bp[:, :, S - 1] = float("nan")  # slot S - 1 has no token: its columns must not be loaded
-    y = decode_linear(x, w, b, lora=LoRAColumns(s, bp, mapping.token_slots, outs), tiles=tiles)
+    buf = lora_shrink(x, As, meta, rank_dev, R, reduce=shrink_reduces, zero_fill=True)
+    assert (buf.shape[0] == 1) == (shrink_reduces or K <= 256), "the decode shrink splits K in blocks of 256"
+    # every column of a token with a slot is written, zeros past its slot's rank (the epilogue loads no
+    # rank); rows of base tokens are not (NaN): the epilogue must drop them
+    for t, s in enumerate(slots):
+        if s >= 0:
+            assert torch.equal(buf[:, :, t, ranks[s] :], torch.zeros_like(buf[:, :, t, ranks[s] :]))
+        else:
+            assert buf[:, :, t].isnan().all()
+    y = decode_linear(x, w, b, lora=ExpandEpilogue(buf, Bs, mapping.token_slots), tiles=tiles)
 
     base = F.linear(x.float(), w.float(), None if b is None else b.float()).to(xdt)  # rounded, as cuBLAS's
     ref = base.float()
@@ -145,26 +133,10 @@ def test_decode_linear_with_lora_matches_reference(case, bias, monkeypatch):
     assert not torch.equal(y[lora_rows], y0[lora_rows])
 
 
-def test_packed_b_keeps_16_bits_of_fp32_b_and_follows_slot_writes():
-    """fp32 B is packed as bf16 hi + lo (their sum within 2^-16 of B); write_slot brings one slot in step."""
-    g = torch.Generator().manual_seed(3)
-    Bs = tuple(torch.randn(4, 1, n, 8, generator=g) for n in (32, 16))
-    bp = pack_b(Bs, torch.bfloat16)
-    assert bp.shape == (48, 2, 4, 8) and bp.dtype == torch.bfloat16
-    full = torch.cat([b[:, 0] for b in Bs], dim=1).permute(1, 0, 2)  # (N, S, R)
-    got = bp[:, 0].float() + bp[:, 1].float()
-    assert ((got - full).abs() <= full.abs() * 2.0**-16).all()
-    assert not torch.equal(bp[:, 0].float(), full), "hi alone is not B (the lo plane matters)"
-    assert pack_b(tuple(b.bfloat16() for b in Bs), torch.bfloat16).shape == (48, 1, 4, 8)
-    Bs[1][2].zero_()
-    write_slot(bp, Bs, 2)
-    assert (bp[32:, :, 2] == 0).all() and torch.equal(bp[:32, :, 2].float().sum(1), got[:32, 2])
-
-
 @pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
 @pytest.mark.parametrize("n_lora_tokens", [0, 5])
 def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K):
-    """TritonLoRAOps.linear_with_lora (shrink, then the GEMM over W's and B's columns) equals the
+    """TritonLoRAOps.linear_with_lora (shrink, then the GEMM with the delta in its epilogue) equals the
     unfused path (GEMM, then add_lora_linear); a batch of base tokens only gets the base GEMM's bits."""
     g = torch.Generator().manual_seed(n_lora_tokens + K)
     M, outs, S, R = 12, (128, 64, 64), 4, 16
@@ -179,7 +151,7 @@ def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K):
         mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
     )
     ops = TritonLoRAOps(DEV)
-    y = ops.linear_with_lora(x, w, None, As, outs, pack_b(Bs, x.dtype), ranks, meta, mapping.token_slots)
+    y = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
     assert y is not None, "decode sizes take the fused path"
     ref = decode_linear(x, w)
     ops.add_lora_linear(ref, x, As, Bs, ranks, meta)

@@ -14,7 +14,6 @@ import torch
 from loraserve.config import LoRAConfig
 from loraserve.forward_context import current_lora_mapping
 from loraserve.layers.linear import linear
-from loraserve.lora.layers import packed_b
 from loraserve.lora.layers.base import BaseLayerWithLoRA, LoRAPieces
 
 
@@ -53,7 +52,6 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         self.dora_scale: torch.Tensor | None = None  # (S + 1, out) fp32
         self.slot_has_bias = [False] * max_loras
         self.slot_has_dora = [False] * max_loras
-        self._packed_b: torch.Tensor | None = None  # decode_linear's layout of B, built on its first use
 
     def reset_lora(self, index: int) -> None:
         for a, b in zip(self.lora_a_stacked, self.lora_b_stacked):
@@ -61,20 +59,6 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             b[index].zero_()
         self.slot_ranks[index] = 0
         self.clear_extras(index)
-        self.sync_packed_b(index)
-
-    def packed_b(self, act_dtype: torch.dtype) -> torch.Tensor:
-        """Every slot's B as extra K columns of the GEMM (``packed_b.pack_b``), for the fused decode path;
-        built on first use (the CUDA graphs' warm-up runs before capture), then kept in step by
-        ``sync_packed_b`` in place, so a captured graph sees adapters loaded after it."""
-        if self._packed_b is None or self._packed_b.dtype != act_dtype:
-            self._packed_b = packed_b.pack_b(self.lora_b_stacked, act_dtype)
-        return self._packed_b
-
-    def sync_packed_b(self, index: int) -> None:
-        """After slot ``index`` of ``lora_b_stacked`` was written or cleared."""
-        if self._packed_b is not None:
-            packed_b.write_slot(self._packed_b, self.lora_b_stacked, index)
 
     def slot_has_extras(self, index: int) -> bool:
         return self.slot_has_bias[index] or self.slot_has_dora[index]
@@ -161,7 +145,6 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             self.lora_b_stacked[i][index, 0, :, :r].copy_(b, non_blocking=True)
             rank = max(rank, r)
         self.slot_ranks[index] = rank
-        self.sync_packed_b(index)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear(x, weight, bias) + the per-token LoRA delta (``apply_lora``'s numbers).
@@ -176,7 +159,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             active = mapping.active_slots
             if not any(self.slot_has_bias[s] or self.slot_has_dora[s] for s in active):
                 y = pw.linear_with_lora(
-                    x, weight, bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.packed_b(x.dtype)
+                    x, weight, bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks
                 )
                 if y is not None:
                     return y

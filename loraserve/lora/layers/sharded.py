@@ -94,7 +94,6 @@ class _ColumnShardedLoRA:
             chunk = max(chunk, c)
         self.slot_ranks[index] = chunk  # shrink rows on this rank (zero past its share)
         self.expand_ranks[index] = (self.tp_size - 1) * rs + chunk if chunk else 0
-        self.sync_packed_b(index)
 
     def apply_lora(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -78,30 +78,33 @@ class TritonLoRAOps:
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         lora_a_stacked: tuple[torch.Tensor, ...],
-        slices: tuple[int, ...],
-        b_packed: torch.Tensor,
+        lora_b_stacked: tuple[torch.Tensor, ...],
         ranks: list[int],
         meta: SegmentMeta,
         token_slots: torch.Tensor,
     ) -> torch.Tensor | None:
-        """x W^T + b + the per-token LoRA delta as two launches: the shrink (into every slot's columns
-        of s), then one GEMM over W's K columns and B's (``decode_linear``, a PDL dependent of the
-        shrink; the shrink launches while the kernel before it runs when that kernel is a link of the
-        PDL chain, utils.pdl_chain). None where ``decode_linear`` does not apply (too many tokens,
-        fp32, slices that are not multiples of its column block): the caller then runs the GEMM and
-        ``add_lora_linear``. ``b_packed``: the layer's B laid out as GEMM columns (lora/layers/packed_b.py)."""
+        """x W^T + b + the per-token LoRA delta as two launches (shrink, then the GEMM with the expand
+        in its epilogue, PDL-overlapped; the shrink launches while the kernel before it runs when that
+        kernel is a link of the PDL chain, utils.pdl_chain), or None where ``decode_linear`` does not apply (too many
+        tokens, fp32, slices that are not multiples of its column block): the caller then runs the
+        GEMM and ``add_lora_linear``. Same numbers as that path (decode_linear.py's docstring)."""
         if meta is None or not self.fuses_linear:
             return None
+        slices = tuple(b.shape[2] for b in lora_b_stacked)
         tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
         if not decode.supports(x, weight, slices, tiles):
             return None
         rank_dev = self.ranks_tensor(ranks)
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
-        if max_rank == 0 or meta.num_segs == 0:
+        if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
-        s = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, expand=True)
-        lora = decode.LoRAColumns(s, b_packed, token_slots, slices)
-        return decode.decode_linear(x, weight, bias, lora=lora, tiles=tiles, pdl_dependent=use_pdl(x.device))
+        # zero_fill: the epilogue loads no rank, so every column of a LoRA token's row must be written
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
+        # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no
+        # segment the shrink is not launched and the GEMM waits first, as a link of the PDL chain
+        pdl = use_pdl(x.device) and meta.num_segs > 0
+        epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
+        return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
 
     def add_lora_embedding(
         self,

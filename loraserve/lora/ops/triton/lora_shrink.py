@@ -3,13 +3,9 @@
 One launch for all 1-3 slices of a layer. Tokens arrive sorted by slot (``SegmentMeta``); a program
 owns (split of K, rank block, slice) x (block of tokens of one segment). The grid's rank axis covers
 the batch's largest rank, and a program whose rank block starts at or past its slot's own rank
-returns at once, so work and bytes follow each adapter's rank, not max_lora_rank.
-
-``expand=True`` (decode_linear's LoRA columns, ``lora/layers/packed_b.py``): the output is instead s
-(n_slices, T, S*R) in x's dtype, each token's row laid out over every slot's columns, its own slot's
-holding its h (rounded to x's dtype) and every other column zero. The rank axis then covers all R
-columns, and programs past their slot's rank store zeros: every column of a token with a slot is
-written. Rows of tokens without a slot are not (decode_linear masks them by slot).
+returns at once, so work and bytes follow each adapter's rank, not max_lora_rank. With ``zero_fill``
+(decode_linear's epilogue, which loads no rank) the axis covers all R columns and those programs store
+zeros instead: every column of a token with a slot is written.
 
 Split-K (decode sizes have few segments, so K is split to keep the SMs streaming A): every split
 writes its partial to its own plane of ``buf``; the last program of a group to arrive (an atomic
@@ -23,8 +19,6 @@ the plane loads are latency nobody hides; here they are one program's tail per g
 
 At decode sizes each program's K range is a single block: its tile of A (weights, written before
 the forward) is loaded before the PDL wait, overlapping the previous kernel's tail; x is read after.
-With ``expand`` the shrink lets its dependent (decode_linear, which waits for it before reading
-anything) launch at once, so that the GEMM can start pulling W into L2 while the shrink runs.
 """
 
 from __future__ import annotations
@@ -45,33 +39,30 @@ from loraserve.lora.punica import SegmentMeta
 
 
 @triton.jit
-def _store_expanded(s_ptr, sl, tok, m_mask, slot, r0, vals, R, NSLOT, stride_ss, stride_st,
-                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLOTS_PER_STORE: tl.constexpr):  # fmt: skip
-    """Rank columns r0 .. r0 + BLOCK_R (< R) of every slot's part of these tokens' rows of s: ``vals``
-    (BLOCK_M, BLOCK_R) in the tokens' own slot, zeros in every other, rounded to s's dtype."""
-    offs_c = tl.arange(0, SLOTS_PER_STORE * BLOCK_R)
-    c_r = r0 + offs_c % BLOCK_R
-    v = tl.reshape(
-        tl.broadcast_to(vals[:, None, :], (BLOCK_M, SLOTS_PER_STORE, BLOCK_R)), (BLOCK_M, SLOTS_PER_STORE * BLOCK_R)
-    )
-    row = s_ptr + sl * stride_ss + tok[:, None] * stride_st
-    for j0 in range(0, NSLOT, SLOTS_PER_STORE):
-        c_j = j0 + offs_c // BLOCK_R
-        out = tl.where(c_j[None, :] == slot, v, 0.0).to(s_ptr.dtype.element_ty)
-        tl.store(row + (c_j * R + c_r)[None, :], out, mask=m_mask[:, None] & ((c_j < NSLOT) & (c_r < R))[None, :])
+def _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl, R, stride_bsp, stride_bi, stride_bm,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, REDUCE: tl.constexpr):  # fmt: skip
+    """Zeros into columns r0 .. r0 + BLOCK_R (< R) of this block's tokens, in this split's plane (with
+    REDUCE only split 0 stores: plane 0 is all that is read)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    if REDUCE:
+        m_mask = m_mask & (split == 0)
+    tok = tl.load(meta_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    ptrs = buf_ptr + split * stride_bsp + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
+    tl.store(ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), mask=m_mask[:, None] & (offs_r < R)[None, :])
 
 
 # NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
 # multiples of 16 and vectorizes the masked loads along the contiguous axis; as runtime ints every
 # masked load there went scalar. Specializing compiles once per divisibility class, not per value.
-@triton.jit(do_not_specialize=["T", "S", "R", "NUM_RBLOCKS", "SPLIT_K", "NSLOT"])
+@triton.jit(do_not_specialize=["T", "S", "R", "NUM_RBLOCKS", "SPLIT_K"])
 def _lora_shrink_kernel(
     x_ptr,
     a0_ptr,
     a1_ptr,
     a2_ptr,
     buf_ptr,
-    s_ptr,  # (EXPAND) (n_slices, T, NSLOT * R) in x's dtype
     cnt_ptr,  # int32 (groups,): split arrivals per group, zero between launches (SPLIT_K > 1)
     meta_ptr,  # int32: order (T,), seg_slot (S,), seg_start (S,), seg_len (S,)
     rank_ptr,  # int32 (max_loras,): this layer's rank per slot
@@ -87,10 +78,7 @@ def _lora_shrink_kernel(
     stride_bsp,
     stride_bi,
     stride_bm,
-    R,  # buf's (and A's) rank columns
-    NSLOT,  # (EXPAND) slots (A's first dimension)
-    stride_ss,
-    stride_st,
+    R,  # buf's (and A's) rank columns: all of them are written for the tokens of every segment
     NUM_SLICES: tl.constexpr,
     NUM_RBLOCKS,
     SPLIT_K,
@@ -100,8 +88,7 @@ def _lora_shrink_kernel(
     RED: tl.constexpr,  # planes a group's last split loads at once (1: no reduction here, see REDUCE)
     REDUCE: tl.constexpr,  # sum the splits here (the last arrival); else each split keeps its plane
     ONE_CHUNK: tl.constexpr,  # k_per_split == BLOCK_K: one tile of A per program, loaded before the wait
-    EXPAND: tl.constexpr,  # write s (every slot's columns; zeros past the rank and in other slots), not buf
-    SLOTS_PER_STORE: tl.constexpr,
+    ZERO_FILL: tl.constexpr,  # programs past their slot's rank store zeros (the columns the readers see)
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -119,23 +106,17 @@ def _lora_shrink_kernel(
     rank = tl.load(rank_ptr + slot)
     r0 = rblock * BLOCK_R
     m0 = pid_m * BLOCK_M
-    if USE_PDL and EXPAND:
-        # decode_linear waits for this whole launch before reading anything: it may launch at once
-        tl.extra.cuda.gdc_launch_dependents()
     if (r0 >= rank) | (m0 >= seg_len):
         if USE_PDL:
-            # NOTE: a program that exits counts as having triggered its PDL dependents, and a dependent
-            # may trust that every shrink program waited for x first: so wait here too (a batch of base
-            # tokens only, under a CUDA graph, exits every program); and no store before the wait
+            # NOTE: a program that exits counts as having triggered its PDL dependents, and the fused GEMM
+            # reads x before its own wait, trusting that every shrink program waited first: so wait
+            # here too (a batch of base tokens only, under a CUDA graph, exits every program)
             tl.extra.cuda.gdc_wait()
-        if EXPAND:
-            # columns past the slot's rank (a rank-0 slot: all of them) hold zeros: decode_linear reads
-            # every column of the rows of tokens with a slot (one split stores them)
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_mask = (offs_m < seg_len) & (split == 0)
-            tok = tl.load(meta_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
-            _store_expanded(s_ptr, sl, tok, m_mask, slot, r0, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), R,
-                            NSLOT, stride_ss, stride_st, BLOCK_M, BLOCK_R, SLOTS_PER_STORE)  # fmt: skip
+        if ZERO_FILL:
+            # columns past the slot's rank (a rank-0 slot: all of them) hold zeros, in every plane a reader
+            # sums (plane 0 alone when the splits are summed here): decode_linear's epilogue loads no rank
+            _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl, R, stride_bsp, stride_bi,
+                         stride_bm, BLOCK_M, BLOCK_R, REDUCE)  # fmt: skip
         return
 
     if NUM_SLICES == 1:
@@ -163,15 +144,13 @@ def _lora_shrink_kernel(
         at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         if USE_PDL:  # launched early (PDL): x and buf only after the kernel before has finished and flushed
             tl.extra.cuda.gdc_wait()
-            if not EXPAND:
-                tl.extra.cuda.gdc_launch_dependents()  # the expand may launch now; it waits for us before reading buf
+            tl.extra.cuda.gdc_launch_dependents()  # the expand may launch now; it waits for us before reading buf
         xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = dot_in(xt, at, CDT, IEEE)
     else:
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
-            if not EXPAND:
-                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k in range(0, k_per_split, BLOCK_K):
             kk = k_begin + k + offs_k
@@ -181,10 +160,6 @@ def _lora_shrink_kernel(
             acc += dot_in(xt, at, CDT, IEEE)
     out = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]  # plane 0
     out_mask = m_mask[:, None] & (offs_r < R)[None, :]  # zeros past the rank (A masked there)
-    if EXPAND and not REDUCE:
-        _store_expanded(s_ptr, sl, tok, m_mask, slot, r0, acc, R, NSLOT, stride_ss, stride_st, BLOCK_M, BLOCK_R,
-                        SLOTS_PER_STORE)  # fmt: skip
-        return
     tl.store(out + split * stride_bsp, acc, mask=out_mask)
     if REDUCE:
         # NOTE: the semaphore pattern of decode_linear's split-K: all threads' stores, a CTA barrier, one
@@ -194,12 +169,7 @@ def _lora_shrink_kernel(
         group = ((sl * NUM_RBLOCKS + rblock) * tl.num_programs(1) + pid_m) * S + seg
         arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            total = sum_planes(out, out_mask, SPLIT_K, stride_bsp, RED, True)
-            if EXPAND:
-                _store_expanded(s_ptr, sl, tok, m_mask, slot, r0, total, R, NSLOT, stride_ss, stride_st, BLOCK_M,
-                                BLOCK_R, SLOTS_PER_STORE)  # fmt: skip
-            else:
-                tl.store(out, total, mask=out_mask)
+            tl.store(out, sum_planes(out, out_mask, SPLIT_K, stride_bsp, RED, True), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
 
 
@@ -231,9 +201,9 @@ def _pick_blocks(meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int) -> tu
     return block_m, block_k, split
 
 
-def _new_buf(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _new_buf(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """The output's storage, uninitialized (a seam: tests fill it with NaN to see what is written)."""
-    return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def lora_shrink(
@@ -244,17 +214,16 @@ def lora_shrink(
     max_rank: int,
     block_r: int = 16,
     reduce: bool = True,
-    expand: bool = False,
+    zero_fill: bool = False,
 ) -> torch.Tensor:
     """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (P, n_slices, T, R) fp32 whose planes sum to x @ A_i[slot]^T.
 
     ``reduce``: the kernel sums its split-K partials itself, P = 1 (the engine's default); else P = the
-    split and the reader (``lora_expand``) sums the planes while loading them. ``max_rank``: the largest
-    of ``ranks`` in use (at most R). Rows of tokens with a slot are written at columns r < ranks[slot],
-    which is all ``lora_expand`` reads; rows of tokens without a slot are never written.
-
-    ``expand``: returns s (n_slices, T, S*R) in x's dtype instead (decode_linear's LoRA columns; the
-    module docstring), the splits always summed here.
+    split and the reader (``lora_expand``, decode_linear's epilogue) sums the planes while loading them.
+    ``max_rank``: the largest of ``ranks`` in use (at most R). Rows of tokens with a slot are written
+    at columns r < ranks[slot], which is all ``lora_expand`` reads; with ``zero_fill`` every column (up
+    to R) of those rows is, zeros past the slot's rank, so that a reader needs no rank (decode_linear's
+    epilogue). Rows of tokens without a slot are never written.
     """
     n = len(lora_a)
     assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
@@ -276,36 +245,32 @@ def lora_shrink(
     assert meta.num_tokens == T, f"mapping has {meta.num_tokens} tokens, x has {T}"
     R = a0.shape[2]
     assert max_rank <= R
-    S = a0.shape[0]
-    # expand: the rank axis covers all R columns, not max_rank (programs past a slot's rank store zeros)
-    n_rblocks = triton.cdiv(R if expand else max(max_rank, 1), block_r)
+    # zero_fill: the rank axis covers all R columns, not max_rank (programs past a slot's rank store zeros)
+    n_rblocks = triton.cdiv(R if zero_fill else max(max_rank, 1), block_r)
     block_m, block_k, split = _pick_blocks(meta, n, n_rblocks, K)
     buf = _new_buf((split, n, T, R), x.device)
-    s_out = _new_buf((n, T, S * R), x.device, x.dtype) if expand else buf
     if meta.num_segs == 0 or T == 0:
-        return s_out if expand else buf[:1]  # nothing is read
+        return buf[:1]  # nothing is read
     k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     cdt = compute_dtype_of(x.dtype, a0.dtype)
     a1 = lora_a[1] if n > 1 else a0
     a2 = lora_a[2] if n > 2 else a0
     grid = (split * n_rblocks * n, triton.cdiv(meta.max_seg_len, block_m), meta.num_segs)
-    reduce = (reduce or expand) and split > 1
+    reduce = reduce and split > 1
     cnt = buf
     if reduce:
         cnt = persistent_buffer(x.device, "lora_shrink/arrivals", n * n_rblocks * grid[1] * grid[2])
     pdl = use_pdl(x.device)
     _lora_shrink_kernel[grid](
-        x, a0, a1, a2, buf, s_out, cnt, meta.packed, ranks,
+        x, a0, a1, a2, buf, cnt, meta.packed, ranks,
         T, meta.num_segs, K, k_per_split,
         x.stride(0), x.stride(1),
         a0.stride(0), a0.stride(2), a0.stride(3),
-        buf.stride(0), buf.stride(1), buf.stride(2), R, S, s_out.stride(0), s_out.stride(1),
+        buf.stride(0), buf.stride(1), buf.stride(2), R,
         NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
-        EXPAND=expand, SLOTS_PER_STORE=max(1, min(triton.next_power_of_2(S), 128 // block_r)),
+        ZERO_FILL=zero_fill,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
         USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    if expand:
-        return s_out
     return buf[:1] if reduce else buf

@@ -1,0 +1,132 @@
+"""The LoRA delta of one block of output columns for every token of a decode step, as one MMA.
+
+    delta (BLOCK_N, BLOCK_M) = sum over slots j of B_i[j][cols] @ s_j^T,  s_j = h of the tokens in slot j, 0 elsewhere
+
+What ``decode_linear``'s epilogue adds after its K loop, laid out transposed as its accumulator is
+(columns along the MMA's M, the few tokens along its N).
+
+NOTE: the same delta in a launch of its own after the GEMM (``lora_expand_dense``, chained by PDL and
+loading B while the GEMM ran) was measured slower (session 7, H200, Llama-8B, 32 tokens, 8 fp32
+adapters: 36.4 vs 23.8 µs of LoRA cost per layer in ``--matrix``; the 8-adapter step 5.87 vs 5.83 ms)
+and was removed (commit bfb8465 has it): the extra launch and its wait cost more than the epilogue's
+loads of B.
+
+Numerics: s is rounded to B's dtype (the reference's intermediate is), multiplied in LORA_CDT (tf32
+for fp32 B with half activations, true fp32 with LORA_IEEE), accumulated in fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from loraserve.lora.ops.triton.utils import dot_in, sum_planes
+
+
+@triton.jit
+def lora_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1,
+               NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(slice, its B, B's slot stride, first column within the slice) of column block pid_n (BLOCK_N
+    divides every slice, so a block lies in one slice)."""
+    # NOTE: `pid_n * 0 + c`: every branch of a runtime `if` must give a variable the same type
+    col0 = pid_n * BLOCK_N
+    if NUM_SLICES == 1:
+        sl = pid_n * 0
+        b_ptr = b0_ptr
+        stride_ws = stride_ws0
+        n_loc0 = col0
+    else:
+        if col0 < N0:
+            sl = pid_n * 0
+            b_ptr = b0_ptr
+            stride_ws = stride_ws0
+            n_loc0 = col0
+        elif col0 < N0 + N1:
+            sl = pid_n * 0 + 1
+            b_ptr = b1_ptr
+            stride_ws = stride_ws1
+            n_loc0 = col0 - N0
+        else:
+            sl = pid_n * 0 + 2
+            b_ptr = b2_ptr
+            stride_ws = stride_ws2
+            n_loc0 = col0 - N0 - N1
+    return sl, b_ptr, stride_ws, n_loc0
+
+
+@triton.jit
+def lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr):  # fmt: skip
+    """(BLOCK_N, C) B of slots chunk .. chunk + SLOTS_PER_CHUNK for this block's columns: column c is
+    slot chunk + c // BLOCK_R, rank index c % BLOCK_R."""
+    offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
+    c_r = offs_c % BLOCK_R
+    c_j = chunk + offs_c // BLOCK_R
+    loc_n = n_loc0 + tl.arange(0, BLOCK_N)
+    # B's columns past a slot's rank are read unmasked along r (they multiply zeros in s)
+    return tl.load(
+        b_ptr + c_j[None, :] * stride_ws + loc_n[:, None] * R + c_r[None, :],
+        mask=((c_r < R) & (c_j < S))[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def expand_chunk(delta, b, h, slot, chunk, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                 SLOTS_PER_CHUNK: tl.constexpr, LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr,
+                 LORA_IEEE: tl.constexpr):  # fmt: skip
+    """delta (BLOCK_N, BLOCK_M) += B_chunk s^T, s (BLOCK_M, C) = each token's h in its own slot's columns."""
+    offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
+    c_j = chunk + offs_c // BLOCK_R
+    hx = tl.reshape(tl.broadcast_to(h[:, None, :], (BLOCK_M, SLOTS_PER_CHUNK, BLOCK_R)), (BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R))
+    # a select, not a product: rows of tokens without a slot (-1) may hold anything, NaN included
+    sx = tl.where(slot[:, None] == c_j[None, :], hx, 0.0)
+    sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
+    delta += dot_in(b, tl.trans(sx), LORA_CDT, LORA_IEEE)
+    return delta
+
+
+@triton.jit
+def block_delta(
+    pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
+    stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+    R: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr, RED: tl.constexpr,
+    LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr, LORA_IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """delta (BLOCK_N, BLOCK_M) fp32 of column block pid_n for tokens 0..M-1 (zero for tokens of no slot).
+
+    buf: the shrink's (SPLIT_K, n_slices, M, R) fp32 partials, every column written for the tokens with a
+    slot (zeros past its rank), read after the PDL wait (USE_PDL). Slots and B (mapping and weights,
+    written before the forward) are loaded before it. No load waits on another: the slots, B and buf
+    are one round trip to memory, not three (slot, then its rank, then buf masked by the rank).
+    """
+    sl, b_ptr, stride_ws, n_loc0 = lora_slice(
+        pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N
+    )
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)  # (BLOCK_M,)
+    # NOTE: the whole chunk of slots is ONE load of B and ONE MMA: s is expanded to (tokens, slots x r)
+    # with zeros outside each token's own slot, so each token meets only its own B. A loop of one
+    # small MMA per slot paid a DRAM round trip per slot in every wave of programs (LoRA cost of gate_up,
+    # 3.4 waves: 24 µs, then 14 with this; o, one wave: 7.0, then 5.8; H200, 32 tokens, 8 slots).
+    offs_r = tl.arange(0, BLOCK_R)
+    h_ptrs = buf_ptr + sl * stride_bi + offs_m[:, None] * stride_bm + offs_r[None, :]
+    # rows of tokens without a slot hold whatever buf held: expand_chunk's select drops them
+    h_mask = m_mask[:, None] & (offs_r < R)[None, :]
+    delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for chunk in range(0, S, SLOTS_PER_CHUNK):
+        b = lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
+        if USE_PDL:
+            # launched while the shrink runs: its buf is read only after it has finished
+            tl.extra.cuda.gdc_wait()
+        # h (BLOCK_M, BLOCK_R): each token's s, its split-K planes (if any are left) summed
+        h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False)
+        delta = expand_chunk(delta, b, h, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
+    return delta
+
+
+def slots_per_chunk(n_slots: int, block_r: int) -> int:
+    """Slots per MMA of ``block_delta``: up to 128 columns of (slot, r), at least one slot."""
+    return max(1, min(triton.next_power_of_2(n_slots), 128 // block_r))
