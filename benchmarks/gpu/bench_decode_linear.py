@@ -162,7 +162,6 @@ def ops_pdl(device) -> bool:
 
 MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a time against the default
     "default": ("a lora_shrink launch that sums its splits, then the GEMM with the expand in its epilogue (PDL)", {}),
-    "no B prefetch": ("the GEMM does not pull its epilogue's B into L2 before its K loop", {"prefetch_b": False}),
     "no PDL chain": ("the kernel before the shrink (here the GEMM) lets it launch only when it ends", {"chain": False}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
     "no PDL": ("two ordinary launches", {"pdl": False}),
@@ -195,7 +194,7 @@ def matrix(layers: int) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, dl.PREFETCH_B)  # fmt: skip
+             triton_utils.PDL_CHAIN)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if knobs.get("pdl") is False:
             shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = lambda device: False
@@ -203,7 +202,6 @@ def matrix(layers: int) -> list[dict]:
         shrink_mod.PREFETCH_A = knobs.get("prefetch", saved[3])
         shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
         triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
-        dl.PREFETCH_B = knobs.get("prefetch_b", saved[6])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -223,7 +221,7 @@ def matrix(layers: int) -> list[dict]:
                   f"{t_fus:.1f} | {t_fus - t_ours:.1f} | {err:.1e} |", flush=True)  # fmt: skip
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
-        shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, dl.PREFETCH_B = saved[3:7]
+        shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN = saved[3:6]
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

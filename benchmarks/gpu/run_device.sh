@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu/run_device.sh decode-tune  # the same after its tile sweep
 #   bash benchmarks/gpu/run_device.sh peft      # tests/lora/test_peft_features.py on the GPU (every PEFT extra, graphs on)
 #   bash benchmarks/gpu/run_device.sh lora      # the LoRA decode loop: kernel tests, --matrix, bench_e2e Llama-8B (no HF)
-#                                               with the B prefetch on (default) and off (LORASERVE_PREFETCH_B=0)
+#                                               with the PDL chain on (default) and off (LORASERVE_PDL_CHAIN=0)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -44,7 +44,7 @@ for stage in "$@"; do
             timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"
             timeout 200 python3 benchmarks/gpu/bench_decode_linear.py --matrix --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt"
             timeout 170 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e_8b.json" 2>&1 | tee "$OUT/e2e_8b.txt" | grep -A6 "^| model"
-            LORASERVE_PREFETCH_B=0 timeout 130 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --json "$OUT/e2e_8b_nopfb.json" 2>&1 | tee "$OUT/e2e_8b_nopfb.txt" | grep -A6 "^| model"
+            LORASERVE_PDL_CHAIN=0 timeout 130 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --json "$OUT/e2e_8b_nochain.json" 2>&1 | tee "$OUT/e2e_8b_nochain.txt" | grep -A6 "^| model"
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"

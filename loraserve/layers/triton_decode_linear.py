@@ -48,15 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.expand_block import block_delta, lora_slice, slots_per_chunk
-from loraserve.lora.ops.triton.utils import (
-    compute_dtype_of,
-    pdl_chain,
-    pdl_link,
-    persistent_buffer,
-    prefetch_l2,
-    tl_dtype,
-)
+from loraserve.lora.ops.triton.expand_block import block_delta, slots_per_chunk
+from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, pdl_link, persistent_buffer, tl_dtype
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 
@@ -86,11 +79,6 @@ class ExpandEpilogue:
     lora_b: tuple[torch.Tensor, ...]
     token_slots: torch.Tensor
     pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
-
-
-# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_PREFETCH_B=0 turns it off):
-# each LoRA'd program pulls its epilogue's B into L2 before its K loop
-PREFETCH_B = os.environ.get("LORASERVE_PREFETCH_B", "1") != "0"
 
 
 def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
@@ -198,20 +186,6 @@ def _epilogue(
 
 
 
-@triton.jit
-def _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R: tl.constexpr,
-                NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, PF_SLOTS: tl.constexpr, PF_LINES: tl.constexpr):  # fmt: skip
-    """Pull into L2 the B that this column block's epilogue will load (every slot's BLOCK_N x R, contiguous
-    per slot): B is a weight, so the pull starts before the K loop and B's DRAM latency hides behind it."""
-    sl, b_ptr, stride_ws, n_loc0 = lora_slice(
-        pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N
-    )
-    per_line: tl.constexpr = BLOCK_N * R // PF_LINES  # elements of B per 128-byte line
-    offs = tl.arange(0, PF_SLOTS * PF_LINES)
-    j = tl.minimum(offs // PF_LINES, S - 1)
-    prefetch_l2(b_ptr + j.to(tl.int64) * stride_ws + n_loc0 * R + (offs % PF_LINES) * per_line)
-
-
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
 # of 16 and vectorizes the loads; only M (the token count) is a runtime value.
 @triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
@@ -265,17 +239,11 @@ def _decode_linear_kernel(
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
-    PF_SLOTS: tl.constexpr,  # (HAS_LORA) slots whose B this program pulls into L2 at its start (a power of 2 >= S; 0: none)
-    PF_LINES: tl.constexpr,  # 128-byte lines of one slot's B for this block's columns (a power of 2)
     WAIT_FIRST: tl.constexpr,  # (PDL_CHAIN) wait for the kernel before us before reading x
 ):
     pid = tl.program_id(0)
     if PDL_CHAIN:
         pdl_link(WAIT_FIRST)
-    if HAS_LORA and PF_SLOTS > 0:
-        if pid % SPLIT_W == 0:  # one program per column block (the epilogue's, or a split's)
-            _prefetch_b(pid // SPLIT_W, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S,
-                        R, NUM_SLICES, BLOCK_N, PF_SLOTS, PF_LINES)  # fmt: skip
     if SPLIT_W == 1:
         pid_n = pid
         k_lo = pid * 0
@@ -388,7 +356,6 @@ def decode_linear(
         R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
     )
     pdl = False
-    pf_slots, pf_lines = 0, 1
     if lora is not None:
         b0 = lora.lora_b[0]
         n_sl = len(lora.lora_b)
@@ -419,9 +386,6 @@ def decode_linear(
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl
-        if PREFETCH_B and (pdl_chain(x.device) or pdl):  # the GPU (no inline PTX under the interpreter)
-            pf_slots = triton.next_power_of_2(b0.shape[0])
-            pf_lines = triton.next_power_of_2(max(1, tiles.block_n * R * b0.element_size() // 128))
     chain = pdl_chain(x.device)
     block_m = _block_m(M)
     n_blocks = triton.cdiv(N, tiles.block_n)
@@ -441,7 +405,7 @@ def decode_linear(
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
         # NOTE: as the shrink's dependent (USE_PDL) we may read x at once: the shrink waited for it before
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
-        USE_PDL=pdl, PDL_CHAIN=chain, PF_SLOTS=pf_slots, PF_LINES=pf_lines, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain,
         **lora_consts,
     )  # fmt: skip
