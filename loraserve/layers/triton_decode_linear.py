@@ -79,9 +79,6 @@ class ExpandEpilogue:
     lora_b: tuple[torch.Tensor, ...]
     token_slots: torch.Tensor
     pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
-    # int32 (2,), zeros: the flag the shrink raised when x was ready (lora_shrink's x_ready) and a count of
-    # finished programs; the GEMM reads x once the flag is up, and its last program puts both back to 0
-    x_ready: torch.Tensor | None = None
 
 
 def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
@@ -199,7 +196,6 @@ def _decode_linear_kernel(
     y_ptr,
     ws_ptr,  # fp32 (SPLIT_W, n_blocks, BLOCK_N, BLOCK_M): split-K partials (SPLIT_W > 1)
     cnt_ptr,  # int32 (n_blocks,): arrivals per column block, zero between launches (SPLIT_W > 1)
-    flag_ptr,  # int32 (2,) (SPIN): [x ready (raised by the shrink), programs done], both zero between launches
     M,
     N,
     K,
@@ -244,15 +240,10 @@ def _decode_linear_kernel(
     USE_PDL: tl.constexpr,
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
     WAIT_FIRST: tl.constexpr,  # (PDL_CHAIN) wait for the kernel before us before reading x
-    SPIN: tl.constexpr,  # read x once the shrink has raised flag_ptr[0]; the last program lowers it
 ):
     pid = tl.program_id(0)
     if PDL_CHAIN:
         pdl_link(WAIT_FIRST)
-    if SPIN:
-        ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-        while ready == 0:
-            ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
     if SPLIT_W == 1:
         pid_n = pid
         k_lo = pid * 0
@@ -315,12 +306,6 @@ def _decode_linear_kernel(
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
                 LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
-    if SPIN:
-        # every program has passed its spin: the last to get here puts the flag and the count back to zero
-        done = tl.atomic_add(flag_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            tl.atomic_xchg(flag_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(flag_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 def _block_m(M: int) -> int:
@@ -371,7 +356,6 @@ def decode_linear(
         R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
     )
     pdl = False
-    flag = None
     if lora is not None:
         b0 = lora.lora_b[0]
         n_sl = len(lora.lora_b)
@@ -402,7 +386,6 @@ def decode_linear(
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl
-        flag = lora.x_ready
     chain = pdl_chain(x.device)
     block_m = _block_m(M)
     n_blocks = triton.cdiv(N, tiles.block_n)
@@ -413,7 +396,7 @@ def decode_linear(
         ws = persistent_buffer(x.device, "decode_linear/partials", split * n_blocks * tiles.block_n * block_m, torch.float32)
         cnt = persistent_buffer(x.device, "decode_linear/arrivals", n_blocks)
     _decode_linear_kernel[(n_blocks * split,)](
-        x, weight, bias if bias is not None else x, y, ws, cnt, cnt if flag is None else flag, M, N, K, k_per_split,
+        x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0),
         *lora_args,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
@@ -422,7 +405,7 @@ def decode_linear(
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
         # NOTE: as the shrink's dependent (USE_PDL) we may read x at once: the shrink waited for it before
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
-        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not (pdl or flag is not None), SPIN=flag is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain,
         **lora_consts,
     )  # fmt: skip

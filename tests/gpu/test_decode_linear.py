@@ -160,35 +160,6 @@ def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K):
         assert torch.equal(y, decode_linear(x, w))
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_x_ready_flag_gives_the_same_bits_and_is_lowered_after(split):
-    """The shrink raises the x-ready flag and the GEMM spins on it before reading x (on the GPU both
-    overlap under PDL; here they run one after the other): the same bits as without the flag, and the
-    GEMM's last program puts the flag and its count back to zero for the next launch."""
-    g = torch.Generator().manual_seed(split)
-    M, K, outs, S, R = 12, 256, (128, 64, 64), 4, 16
-    ranks = [16, 8, 16, 4]
-    x = torch.randn(M, K, generator=g).to(DEV, torch.float16)
-    w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
-    As, Bs = lora_stacks(g, S, R, K, outs, ranks, torch.float32)
-    slots = [t % S if t % 4 != 3 else -1 for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
-    rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
-    tiles = DecodeTiles(64, 64, 4, 2, split_k=split)
-    buf = lora_shrink(x, As, meta, rank_dev, R, zero_fill=True)
-    want = decode_linear(x, w, lora=ExpandEpilogue(buf, Bs, mapping.token_slots), tiles=tiles)
-    flag = torch.zeros(2, dtype=torch.int32, device=DEV)
-    for _ in range(2):  # a second launch finds the flag lowered again
-        buf = lora_shrink(x, As, meta, rank_dev, R, zero_fill=True, x_ready=flag)
-        assert flag.tolist() == [1, 0], "the shrink raised the flag"
-        got = decode_linear(x, w, lora=ExpandEpilogue(buf, Bs, mapping.token_slots, x_ready=flag), tiles=tiles)
-        assert torch.equal(got, want)
-        assert flag.tolist() == [0, 0], "the GEMM's last program lowered the flag and reset its count"
-
-
 @pytest.mark.parametrize("M", [1, 16, 17, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_linear_base_matches_torch(M, dtype):

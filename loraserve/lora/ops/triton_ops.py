@@ -17,13 +17,8 @@ import torch
 from loraserve.layers import triton_decode_linear as decode
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
-from loraserve.lora.ops.triton.utils import persistent_buffer, use_pdl
+from loraserve.lora.ops.triton.utils import use_pdl
 from loraserve.lora.punica import SegmentMeta
-
-# Knob (a module attribute; LORASERVE_X_READY_FLAG=0 turns it off): the fused decode GEMM launches while the
-# shrink starts and reads x once the shrink's first program raises a flag, instead of launching only when
-# the last shrink program has waited for x
-X_READY_FLAG = os.environ.get("LORASERVE_X_READY_FLAG", "1") != "0"
 
 
 class TritonLoRAOps:
@@ -39,9 +34,6 @@ class TritonLoRAOps:
         # id(ranks list) -> (the list, its contents when copied, int32 device copy). Layers keep their
         # ``slot_ranks`` list for life, so the id is stable; holding the list keeps the id unique.
         self._ranks: dict[int, tuple[list[int], tuple[int, ...], torch.Tensor]] = {}
-        # id(weight) -> index of the op's (x ready, programs done) pair of flags: one pair per fused op, as
-        # the ops of a step overlap under PDL (weights live as long as their layers: the ids are stable)
-        self._flag_of: dict[int, int] = {}
 
     def ranks_tensor(self, ranks: list[int]) -> torch.Tensor:
         """The device copy of a layer's per-slot ranks, refreshed in place when the list changed."""
@@ -106,23 +98,13 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
-        # NOTE: a PDL dependent may read x before its wait only because the shrink waited first (or raised the
-        # x-ready flag); with no segment the shrink is not launched and the GEMM waits first, as a link of
-        # the PDL chain
-        pdl = use_pdl(x.device) and meta.num_segs > 0
-        flag = self.x_ready_flag(weight) if pdl and X_READY_FLAG else None
         # zero_fill: the epilogue loads no rank, so every column of a LoRA token's row must be written
-        buf = lora_shrink(
-            x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True, x_ready=flag
-        )
-        epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl, x_ready=flag)
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
+        # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no
+        # segment the shrink is not launched and the GEMM waits first, as a link of the PDL chain
+        pdl = use_pdl(x.device) and meta.num_segs > 0
+        epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
-
-    def x_ready_flag(self, weight: torch.Tensor) -> torch.Tensor:
-        """This fused op's pair of int32 flags (zero between launches: the GEMM's last program resets them)."""
-        i = self._flag_of.setdefault(id(weight), len(self._flag_of))
-        # NOTE: an outgrown buffer is kept by persistent_buffer (graphs captured with it still use it)
-        return persistent_buffer(self.device, "decode_linear/x_ready", 2 * (i + 1))[2 * i : 2 * i + 2]
 
     def add_lora_embedding(
         self,

@@ -64,7 +64,6 @@ def _lora_shrink_kernel(
     a2_ptr,
     buf_ptr,
     cnt_ptr,  # int32 (groups,): split arrivals per group, zero between launches (SPLIT_K > 1)
-    flag_ptr,  # int32 (SIGNAL): set to 1 once x is ready (decode_linear's x_ready, which it puts back to 0)
     meta_ptr,  # int32: order (T,), seg_slot (S,), seg_start (S,), seg_len (S,)
     rank_ptr,  # int32 (max_loras,): this layer's rank per slot
     T,
@@ -90,7 +89,6 @@ def _lora_shrink_kernel(
     REDUCE: tl.constexpr,  # sum the splits here (the last arrival); else each split keeps its plane
     ONE_CHUNK: tl.constexpr,  # k_per_split == BLOCK_K: one tile of A per program, loaded before the wait
     ZERO_FILL: tl.constexpr,  # programs past their slot's rank store zeros (the columns the readers see)
-    SIGNAL: tl.constexpr,  # let the dependent GEMM launch at once and raise flag_ptr when x is ready
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -108,17 +106,6 @@ def _lora_shrink_kernel(
     rank = tl.load(rank_ptr + slot)
     r0 = rblock * BLOCK_R
     m0 = pid_m * BLOCK_M
-    if SIGNAL:
-        # NOTE: decode_linear launches while this grid starts and spins on the flag, not on our end: the
-        # first program raises it once the kernel before (which wrote x) has finished. Every program of
-        # ours has started by then (a PDL dependent launches only once all have triggered), so the
-        # first one is running, and the spinning GEMM cannot starve it.
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        if (pid0 == 0) & (pid_m == 0) & (seg == 0):
-            if USE_PDL:
-                tl.extra.cuda.gdc_wait()
-            tl.atomic_xchg(flag_ptr, 1, sem="release", scope="gpu")
     if (r0 >= rank) | (m0 >= seg_len):
         if USE_PDL:
             # NOTE: a program that exits counts as having triggered its PDL dependents, and the fused GEMM
@@ -157,15 +144,13 @@ def _lora_shrink_kernel(
         at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         if USE_PDL:  # launched early (PDL): x and buf only after the kernel before has finished and flushed
             tl.extra.cuda.gdc_wait()
-            if not SIGNAL:
-                tl.extra.cuda.gdc_launch_dependents()  # the reader may launch now; it waits for us before reading buf
+            tl.extra.cuda.gdc_launch_dependents()  # the expand may launch now; it waits for us before reading buf
         xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = dot_in(xt, at, CDT, IEEE)
     else:
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
-            if not SIGNAL:
-                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k in range(0, k_per_split, BLOCK_K):
             kk = k_begin + k + offs_k
@@ -230,7 +215,6 @@ def lora_shrink(
     block_r: int = 16,
     reduce: bool = True,
     zero_fill: bool = False,
-    x_ready: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (P, n_slices, T, R) fp32 whose planes sum to x @ A_i[slot]^T.
 
@@ -240,10 +224,6 @@ def lora_shrink(
     at columns r < ranks[slot], which is all ``lora_expand`` reads; with ``zero_fill`` every column (up
     to R) of those rows is, zeros past the slot's rank, so that a reader needs no rank (decode_linear's
     epilogue). Rows of tokens without a slot are never written.
-
-    ``x_ready`` (int32, zero): the first program sets it to 1 once x is ready (after its PDL wait), and
-    every program lets its PDL dependent launch at once: decode_linear then spins on the flag instead
-    of launching only when the last of our programs has waited.
     """
     n = len(lora_a)
     assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
@@ -282,14 +262,14 @@ def lora_shrink(
         cnt = persistent_buffer(x.device, "lora_shrink/arrivals", n * n_rblocks * grid[1] * grid[2])
     pdl = use_pdl(x.device)
     _lora_shrink_kernel[grid](
-        x, a0, a1, a2, buf, cnt, buf if x_ready is None else x_ready, meta.packed, ranks,
+        x, a0, a1, a2, buf, cnt, meta.packed, ranks,
         T, meta.num_segs, K, k_per_split,
         x.stride(0), x.stride(1),
         a0.stride(0), a0.stride(2), a0.stride(3),
         buf.stride(0), buf.stride(1), buf.stride(2), R,
         NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
-        ZERO_FILL=zero_fill, SIGNAL=x_ready is not None,
+        ZERO_FILL=zero_fill,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
         USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
