@@ -26,6 +26,20 @@ vs 31 µs of LoRA cost per layer; the 8-adapter step 6.34 vs 5.97 ms): the units
 first wave's stream of W, where a shrink launch's A loads overlap the previous kernel's tail. It was
 removed; a GEMM whose warps specialize (some stream W while others run the shrink) could revive it.
 
+NOTE: three more were measured slower and removed in session 8 (H200, Llama-8B shapes, 32 tokens, 8 fp32
+adapters; LoRA cost per layer from ``--matrix``, 8-adapter step from bench_e2e, BENCHMARKS.md session 8):
+- the delta as more K columns of the GEMM (commit 2fab3e5): B packed per layer as bf16 hi + lo columns,
+  the shrink writing s over every slot's columns, one pipelined loop over W then B. The columns on a
+  ready s cost less where a block is one program (qkv 2.3, gate_up 5.5 µs, against this epilogue's 2.8
+  and 8.0), more under split-K (o 6.1, down 7.7), and reading s inside the pipelined loop forces the
+  GEMM to wait for the whole shrink first (4.4-6.5 µs an op): 45.0 µs per layer, a 6.32 ms step
+  against 5.55 in the same call;
+- each LoRA'd program pulling its epilogue's B into L2 before its K loop (commit cf605f9): 29.4 vs 24.8
+  µs per layer, 5.72 vs 5.55 ms (not profiled; probably the prefetches compete with the stream of W);
+- the GEMM launched as soon as the shrink starts, spinning on an x-ready flag raised by the shrink's
+  first program (commit a392f5b): 5.71 vs 5.56 ms (not profiled; its spinning programs hold SMs while
+  the shrink runs).
+
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
 columns; with ``split_k`` > 1 several programs share one over slices of K, and the last to finish
