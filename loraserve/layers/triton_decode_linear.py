@@ -95,6 +95,14 @@ class ExpandEpilogue:
     pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
 
 
+# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_LORA_MAXNREG sets it; 0: none):
+# a cap on the registers of the LoRA variant. Compiled for sm_90 it takes 255 registers (and spills)
+# where the base GEMM takes 168, so 2 programs fit an SM instead of 3 and gate_up's 448 programs run in
+# 1.7 waves instead of 1.13 (benchmarks/gpu/kernel_resources.py); capped at 168 it spills more (584
+# bytes a thread) but fits 3. Not yet timed on the GPU (session 8).
+LORA_MAXNREG = int(os.environ.get("LORASERVE_LORA_MAXNREG", "0"))
+
+
 def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
     """The tiles for a (M, K) x (N, K)^T product at M <= 32 tokens.
 
@@ -421,6 +429,7 @@ def decode_linear(
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
         USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain,
+        **({"maxnreg": LORA_MAXNREG} if lora is not None and LORA_MAXNREG else {}),
         **lora_consts,
     )  # fmt: skip
     return y

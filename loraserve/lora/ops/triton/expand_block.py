@@ -17,6 +17,8 @@ for fp32 B with half activations, true fp32 with LORA_IEEE), accumulated in fp32
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -127,6 +129,14 @@ def block_delta(
     return delta
 
 
+# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_EPILOGUE_COLUMNS sets it): the
+# most columns of (slot, r) per MMA of the epilogue. Fewer columns, more chunks (a round trip each), but
+# fewer registers: compiled for sm_90 (benchmarks/gpu/kernel_resources.py), decode_linear's LoRA variant
+# takes 255 registers and spills at 128 columns, 204 at 64, and 168 at 32, as the base GEMM does (3
+# programs per SM instead of 2). Not yet timed on the GPU (session 8).
+MMA_COLUMNS = int(os.environ.get("LORASERVE_EPILOGUE_COLUMNS", "128"))
+
+
 def slots_per_chunk(n_slots: int, block_r: int) -> int:
-    """Slots per MMA of ``block_delta``: up to 128 columns of (slot, r), at least one slot."""
-    return max(1, min(triton.next_power_of_2(n_slots), 128 // block_r))
+    """Slots per MMA of ``block_delta``: up to MMA_COLUMNS columns of (slot, r), at least one slot."""
+    return max(1, min(triton.next_power_of_2(n_slots), MMA_COLUMNS // block_r))

@@ -1,0 +1,92 @@
+"""Registers, spills and shared memory of ``decode_linear`` compiled for the H200 (sm_90), without a GPU.
+
+Triton compiles the kernel for a given target and its bundled ptxas assembles it; ``cuobjdump`` (also
+bundled) reads the registers per thread and the stack (spills) from the cubin. From them, how many
+programs fit on one SM (65536 registers, 228 KB of shared memory, 1 KB reserved per program): what
+decides how many waves a GEMM of many column blocks (gate_up: 448) runs in. Runs wherever Triton is
+installed (the CPU machine too); nothing here is timed.
+
+    python benchmarks/gpu/kernel_resources.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from loraserve.layers import triton_decode_linear as dl
+
+TARGET = GPUTarget("cuda", 90, 32)
+SM_REGS, SM_SMEM, RESERVED = 65536, 228 * 1024, 1024
+OPS = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,))]
+
+
+def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0):
+    """The kernel as decode_linear launches it for 32 tokens with the default tiles (bf16 x and W;
+    8 slots of rank 16 when lora_dtype is "fp32" or "bf16"; ``maxnreg``: decode_linear.LORA_MAXNREG)."""
+    N = sum(slices)
+    tiles = dl.default_tiles(32, N, K, None)
+    lora = lora_dtype is not None
+    b = "*bf16" if lora_dtype == "bf16" else "*fp32"
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+            "cnt_ptr": "*i32", "buf_ptr": "*fp32", "b0_ptr": b, "b1_ptr": b, "b2_ptr": b, "slots_ptr": "*i32"}  # fmt: skip
+    wdt = tl.bfloat16 if lora_dtype == "bf16" else tl.float32
+    consts = dict(
+        R=16, HAS_BIAS=False, HAS_LORA=lora, NUM_SLICES=len(slices) if lora else 1, BLOCK_M=32,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_R=16, SLOTS_PER_CHUNK=max(1, min(8, columns // 16)),
+        RED=1, SPLIT_W=tiles.split_k, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
+        CDT=tl.bfloat16, IEEE=False, LORA_WDT=wdt, LORA_CDT=wdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
+        WAIT_FIRST=not lora,
+    )  # fmt: skip
+    fn = dl._decode_linear_kernel
+    sig, const = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in ptrs:
+            sig[name] = ptrs[name]
+        elif fn.params[i].is_constexpr:
+            sig[name], const[name] = "constexpr", consts[name]
+        else:
+            sig[name] = "i32"
+    src = ASTSource(fn, sig, const)
+    options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=TARGET, options=options), tiles
+
+
+def registers_and_stack(kernel) -> tuple[int, int]:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+    fields = dict(tok.split(":") for line in out.stdout.splitlines() if "REG:" in line for tok in line.split() if ":" in tok)
+    return int(fields["REG"]), int(fields["STACK"])
+
+
+def main() -> None:
+    print("| op | LoRA B | epilogue columns per MMA | register cap | registers | spill bytes | shared KB | programs per SM (regs, smem) | programs | waves |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    configs = [(None, 0, 0), ("fp32", 128, 0), ("fp32", 64, 0), ("fp32", 32, 0), ("fp32", 128, 168),
+               ("bf16", 128, 0), ("bf16", 32, 0), ("bf16", 128, 168)]  # fmt: skip
+    for name, K, slices in OPS:
+        for lora_dtype, columns, cap in configs:
+            k, tiles = compile_op(K, slices, lora_dtype, columns, cap)
+            regs, stack = registers_and_stack(k)
+            threads = 32 * tiles.num_warps
+            by_regs = SM_REGS // (((regs + 7) // 8 * 8) * threads)
+            by_smem = SM_SMEM // (k.metadata.shared + RESERVED)
+            per_sm = min(by_regs, by_smem, 2048 // threads, 32)
+            programs = triton.cdiv(sum(slices), tiles.block_n) * tiles.split_k
+            print(f"| {name} | {lora_dtype or '-'} | {columns or '-'} | {cap or '-'} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} | "
+                  f"{per_sm} ({by_regs}, {by_smem}) | {programs} | {programs / (132 * per_sm):.2f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
