@@ -170,6 +170,10 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
                            {"epi_cols": 32}),
     "168 registers": ("the GEMM's LoRA variant capped at the base GEMM's 168 registers (spills, 3 programs per SM)",
                       {"maxnreg": 168}),
+    "B block pointer": ("the epilogue loads B through a 3-D block pointer: no spill at 128 columns",
+                        {"b_block_ptr": True}),
+    "B block pointer, 168 registers": ("both: 3 programs per SM, 120 bytes of spill a thread",
+                                       {"b_block_ptr": True, "maxnreg": 168}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
     "no PDL": ("two ordinary launches", {"pdl": False}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
@@ -203,7 +207,7 @@ def matrix(layers: int) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.LORA_MAXNREG)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.LORA_MAXNREG, expand_block.B_BLOCK_PTR)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if knobs.get("pdl") is False:
             shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = lambda device: False
@@ -213,6 +217,7 @@ def matrix(layers: int) -> list[dict]:
         triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
         dl.LORA_MAXNREG = knobs.get("maxnreg", saved[7])
+        expand_block.B_BLOCK_PTR = knobs.get("b_block_ptr", saved[8])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -233,7 +238,7 @@ def matrix(layers: int) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
-         dl.LORA_MAXNREG) = saved[3:8]  # fmt: skip
+         dl.LORA_MAXNREG, expand_block.B_BLOCK_PTR) = saved[3:9]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

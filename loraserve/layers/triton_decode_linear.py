@@ -62,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraserve.lora.ops.triton import expand_block
 from loraserve.lora.ops.triton.expand_block import block_delta, slots_per_chunk
 from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, pdl_link, persistent_buffer, tl_dtype
 
@@ -181,6 +182,7 @@ def _epilogue(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    B_BLOCK_PTR: tl.constexpr,
 ):
     """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -199,6 +201,7 @@ def _epilogue(
             pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
             stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+            B_BLOCK_PTR,
         )  # fmt: skip
         y = (y.to(tl.float32) + delta).to(out_dt)
 
@@ -260,6 +263,7 @@ def _decode_linear_kernel(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    B_BLOCK_PTR: tl.constexpr,  # expand_block.B_BLOCK_PTR
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
     WAIT_FIRST: tl.constexpr,  # (PDL_CHAIN) wait for the kernel before us before reading x
 ):
@@ -304,7 +308,7 @@ def _decode_linear_kernel(
             acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, B_BLOCK_PTR,
         )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
@@ -326,7 +330,7 @@ def _decode_linear_kernel(
                 total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
                 S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, B_BLOCK_PTR,
             )  # fmt: skip
 
 
@@ -427,7 +431,7 @@ def decode_linear(
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
         # NOTE: as the shrink's dependent (USE_PDL) we may read x at once: the shrink waited for it before
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
-        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        USE_PDL=pdl, B_BLOCK_PTR=expand_block.B_BLOCK_PTR, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain,
         **({"maxnreg": LORA_MAXNREG} if lora is not None and LORA_MAXNREG else {}),
         **lora_consts,
