@@ -282,8 +282,8 @@ def lora_tune(layers: int, ops_names=("gate_up", "down")) -> None:
                 continue
             try:
                 rows.append((bench_lora(lc, ops, t)[1], t))
-            except OutOfResources:
-                continue
+            except OutOfResources as e:  # a config that does not fit the SM's shared memory: print, go on
+                print(f"  lora-tune {name} {t}: {type(e).__name__}", flush=True)
         rows.sort(key=lambda r: r[0])
         t_def = next((u for u, t in rows if t == default), float("nan"))
         print(f"lora-tune {name}: default {default} {t_def:.1f} µs | best " +
