@@ -237,29 +237,157 @@ def bench_attention(name, q_lens, ctx_lens, heads=32, kv_heads=8, head_dim=128):
     )
 
 
+PREFILL_CASES = [c for c in LORA_CASES if c[1] > 256]  # the 4096-token (prefill) shapes
+
+
+def tune_prefill(bw: float) -> dict:
+    """Sweeps the shrink's and the expand's prefill tiles (``lora_shrink.PREFILL``,
+    ``lora_expand.PREFILL``) at 4096 tokens, each kernel timed alone (graph replay, L2 flushed), checked
+    against the default tiles' result; then times the whole ``add_lora_linear`` with the fastest of
+    each against the default tiles, in this run. Leaves the fastest in place (so a table that follows
+    measures them) and returns them."""
+    import dataclasses
+    import functools
+    import itertools
+
+    from loraserve.lora.ops.triton import lora_expand as expand_mod
+    from loraserve.lora.ops.triton import lora_shrink as shrink_mod
+
+    default_s, default_e = shrink_mod.PREFILL, expand_mod.PREFILL
+    shrink_grid = [
+        shrink_mod.PrefillTiles(block_m=bm, block_k=bk, programs=p, num_warps=w, num_stages=st)
+        for bm, bk, p, w, st in itertools.product((64, 128), (64, 128), (512, 1024), (4, 8), (3, 4))
+    ]
+    expand_grid = [
+        expand_mod.PrefillTiles(block_m=bm, block_n=bn, num_warps=w)
+        for bm, bn, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))
+    ]
+    shrink_grid = [default_s] + [t for t in shrink_grid if t != default_s]  # the baseline is always timed
+    expand_grid = [default_e] + [t for t in expand_grid if t != default_e]
+    picks = {}
+    for wdtype in (torch.bfloat16, torch.float32):
+        for name, T, S, K, outs in PREFILL_CASES:
+            g = torch.Generator(device=DEV).manual_seed(5)
+            slots = [(t // 128) % S for t in range(T)]
+            meta = LoRAMapping.build(slots, [], DEV).token_meta
+            rank = 16
+            As = tuple(
+                torch.randn(S, 1, rank, K, device=DEV, generator=g).mul_(0.02).to(wdtype) for _ in outs
+            )
+            Bs = tuple(
+                torch.randn(S, 1, n, rank, device=DEV, generator=g).mul_(0.02).to(wdtype) for n in outs
+            )
+            x = torch.randn(T, K, device=DEV, generator=g).to(torch.bfloat16)
+            y = torch.randn(T, sum(outs), device=DEV, generator=g).to(torch.bfloat16)
+            ranks = torch.full((S,), rank, dtype=torch.int32, device=DEV)
+            w = torch.finfo(wdtype).bits // 8
+            s_bytes = T * K * 2 + S * len(outs) * rank * K * w + len(outs) * T * rank * 4
+            e_bytes = 2 * T * sum(outs) * 2 + S * sum(outs) * rank * w + len(outs) * T * rank * 4
+            shrink_mod.PREFILL, expand_mod.PREFILL = default_s, default_e
+            ref_buf = shrink_mod.lora_shrink(x, As, meta, ranks, rank).clone()
+            ref_y = y.clone()
+            expand_mod.lora_expand(ref_y, ref_buf, Bs, meta, ranks)
+
+            def timed(fn):
+                try:
+                    gr = graph_of(fn)
+                except Exception as e:  # out of resources (shared memory, registers): not a candidate
+                    return None, str(e).splitlines()[0][:80]
+                return do_bench(gr.replay, warmup=10, rep=60, return_mode="median") * 1e3, None
+
+            best = {}
+            for kind, grid, nbytes in (("shrink", shrink_grid, s_bytes), ("expand", expand_grid, e_bytes)):
+                rows = []
+                for tiles in grid:
+                    if kind == "shrink":
+                        shrink_mod.PREFILL = tiles
+                        out = shrink_mod.lora_shrink(x, As, meta, ranks, rank)
+                        err = ((out - ref_buf).norm() / ref_buf.norm()).item()
+                        us, why = timed(functools.partial(shrink_mod.lora_shrink, x, As, meta, ranks, rank))
+                        shrink_mod.PREFILL = default_s
+                    else:
+                        expand_mod.PREFILL = tiles
+                        yy = y.clone()
+                        expand_mod.lora_expand(yy, ref_buf, Bs, meta, ranks)
+                        err = (
+                            (yy.float() - ref_y.float()).norm() / (ref_y.float() - y.float()).norm()
+                        ).item()
+                        us, why = timed(
+                            functools.partial(expand_mod.lora_expand, yy, ref_buf, Bs, meta, ranks)
+                        )
+                        expand_mod.PREFILL = default_e
+                    if us is None:
+                        print(f"  {kind} {name} {wdtype} {tiles}: skipped ({why})")
+                        continue
+                    if not err < 1e-2:  # a broken candidate is reported and never chosen
+                        print(f"  {kind} {name} {wdtype} {tiles}: differs from the default tiles, {err:.1e}")
+                        continue
+                    rows.append((us, tiles, err))
+                rows.sort(key=lambda r: r[0])
+                dflt = next(r[0] for r in rows if r[1] == (default_s if kind == "shrink" else default_e))
+                for us, tiles, err in rows[:5]:
+                    print(f"| {name} | {T} | {str(wdtype)[6:]} | {kind} | {dataclasses.astuple(tiles)} | {us:.1f} | "
+                          f"{100 * nbytes / (us * 1e-6) / bw:.0f}% | default {dflt:.1f} µs "
+                          f"({100 * nbytes / (dflt * 1e-6) / bw:.0f}%) | rel err {err:.0e} |")  # fmt: skip
+                best[kind] = rows
+            picks[(name, str(wdtype))] = best
+    # one pick per kernel for every case: the tiles with the least summed time over the cases
+    chosen = {}
+    for kind, default in (("shrink", default_s), ("expand", default_e)):
+        totals: dict = {}
+        for best in picks.values():
+            for us, tiles, _ in best[kind]:
+                totals.setdefault(tiles, []).append(us)
+        n = len(picks)
+        full = {t: sum(v) for t, v in totals.items() if len(v) == n}
+        chosen[kind] = min(full, key=full.get)
+        print(f"{kind}: chosen {dataclasses.asdict(chosen[kind])}: summed {full[chosen[kind]]:.1f} µs vs default "
+              f"{full[default]:.1f} µs over {n} cases")  # fmt: skip
+    shrink_mod.PREFILL, expand_mod.PREFILL = chosen["shrink"], chosen["expand"]
+    return {k: dataclasses.asdict(v) for k, v in chosen.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None, help="also write the rows here")
-    ap.add_argument("--layers-only", action="store_true", help="only the table of Llama-8B's LoRA'd ops at decode")
+    ap.add_argument(
+        "--layers-only", action="store_true", help="only the table of Llama-8B's LoRA'd ops at decode"
+    )
+    ap.add_argument(
+        "--tune-prefill", action="store_true",
+        help="sweep the shrink's and expand's tiles at 4096 tokens, keep the fastest, then time the table with them",
+    )  # fmt: skip
+    ap.add_argument("--prefill-only", action="store_true", help="only the 4096-token rows of the table")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read + write)")
+    tuned = None
+    if args.tune_prefill:
+        print(
+            "| op | tokens | LoRA dtype | kernel | tiles | µs | % copy BW | default tiles | rel err vs default |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        tuned = tune_prefill(bw)
     print(
         f"correctness guard (qkv, 64 tokens, bf16 x, fp32 weights): rel err of the delta {check_lora_once():.1e}"
     )
     rows, att = [], []
     if not args.layers_only:
         for wdtype in (torch.bfloat16, torch.float32):
-            for case in LORA_CASES:
+            for case in PREFILL_CASES if args.prefill_only else LORA_CASES:
                 rows.append(bench_lora(*case, wdtype))
         att = [
             bench_attention("decode ctx 256", [1] * 32, [256] * 32),
             bench_attention("decode ctx 1024", [1] * 32, [1024] * 32),
             bench_attention("prefill 128", [128] * 32, [128] * 32),
         ]
-    layers = [bench_layer(*case, wd) for wd in (torch.float32, torch.bfloat16) for case in LAYER_CASES]
+    layers = (
+        []
+        if args.prefill_only
+        else [bench_layer(*case, wd) for wd in (torch.float32, torch.bfloat16) for case in LAYER_CASES]
+    )
     print()
     print(
         "| op | tokens | adapters | LoRA dtype | ours eager call µs | ours GPU (graph) µs | torch ref call µs | vs torch | vLLM µs / ours (call, graph) | MB moved | % copy BW (graph) |"
@@ -288,14 +416,18 @@ def main() -> None:
             f"{r['torch_us'] / r['ours_us']:.1f}x | {pct:.0f}% | {r['rel_err']:.1e} |"
         )
     print()
-    print("| layer (Llama-8B, decode) | tokens | adapters | LoRA dtype | base GEMM µs | + LoRA µs | LoRA µs | with / without |")
+    print(
+        "| layer (Llama-8B, decode) | tokens | adapters | LoRA dtype | base GEMM µs | + LoRA µs | LoRA µs | with / without |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in layers:
         print(f"| {r['op']} | {r['T']} | {r['adapters']} | {r['dtype']} | {r['base']:.1f} | {r['in_place']:.1f} | "
               f"{r['in_place'] - r['base']:.1f} | {r['in_place'] / r['base']:.2f}x |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy_bw": bw, "lora": rows, "attention": att, "layers": layers}, f, indent=1)
+            json.dump(
+                {"copy_bw": bw, "tuned": tuned, "lora": rows, "attention": att, "layers": layers}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

@@ -233,3 +233,47 @@ def test_shrink_sums_its_splits_deterministically(case, zero_fill, monkeypatch):
     pool = triton_utils._PERSISTENT.get(("lora_shrink/arrivals", x.device, torch.int32), [])
     assert pool, "every case splits K, so the shrink counted arrivals"
     assert not any(c.any() for c in pool), "the arrival counters must be back to zero after a launch"
+
+
+PREFILL_TILES = [  # (shrink, expand) tiles the prefill sweep (bench_lora_kernels.py --tune-prefill) can pick
+    ((64, 64, 512, 4, 3), (64, 64, 4)),
+    ((128, 128, 1024, 8, 4), (128, 256, 8)),
+    ((64, 128, 512, 8, 3), (32, 128, 4)),
+]
+
+
+@pytest.mark.parametrize("tiles", PREFILL_TILES, ids=lambda t: f"shrink{t[0]}-expand{t[1]}")
+@pytest.mark.parametrize(
+    "case",
+    [CASES[5], (260, 3, 16, 896, (896, 128, 128), torch.float16, torch.float32, torch.float16)],
+    ids=lambda c: f"T{c[0]}-{c[5]}",
+)
+def test_prefill_tiles_match_reference(tiles, case, monkeypatch):
+    """Segments longer than 32 tokens take the PREFILL tiles: every candidate gives the reference's delta."""
+    from loraserve.lora.ops.triton import lora_expand as expand_mod
+    from loraserve.lora.ops.triton import lora_shrink as shrink_mod
+
+    bm, bk, programs, warps, stages = tiles[0]
+    monkeypatch.setattr(shrink_mod, "PREFILL", shrink_mod.PrefillTiles(bm, bk, programs, warps, stages))
+    monkeypatch.setattr(expand_mod, "PREFILL", expand_mod.PrefillTiles(*tiles[1]))
+    T, S, R, n_in, outs, xdt, wdt, ydt = case
+    g = torch.Generator().manual_seed(3)
+    ranks = torch.randint(1, R + 1, (S,), generator=g).tolist()
+    slots = torch.randint(-1, S, (T,), generator=g).tolist()
+    mapping = LoRAMapping.build(slots, [], DEV)
+    assert mapping.token_meta is None or mapping.token_meta.max_seg_len > 32
+    pairs = [stacked(g, S, R, n_in, n, ranks, wdt) for n in outs]
+    As, Bs = tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
+    x = torch.randn(T, n_in, generator=g).to(DEV, xdt)
+    y0 = torch.randn(T, sum(outs), generator=g).to(DEV, ydt)
+    ref = reference(y0, x, As, Bs, mapping.token_segments, ranks)
+    y = y0.clone()
+    TritonLoRAOps(DEV).add_lora_linear(y, x, As, Bs, ranks, meta_of(mapping))
+    sync()
+    assert meta_of(mapping).max_seg_len > 32
+    base = torch.tensor([s < 0 for s in slots], device=DEV)
+    assert torch.equal(y[base], y0[base])
+    if ydt == torch.float32:
+        assert rel_err((y - y0)[~base], (ref - y0.float())[~base]) < 1e-5
+    else:
+        assert rel_err(y.float(), ref.to(ydt).float()) < 1e-2

@@ -13,6 +13,8 @@ Each output element belongs to exactly one token, hence one slot and one program
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -137,6 +139,20 @@ def _lora_expand_kernel(
     tl.store(y_ptrs, (yv + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+@dataclass(frozen=True)
+class PrefillTiles:
+    """The launch of segments longer than 32 tokens (prefill): a program adds the delta of a
+    (block_m tokens, block_n columns) tile. A knob: ``bench_lora_kernels.py --tune-prefill`` sweeps
+    it at 4096 tokens."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+
+
+PREFILL = PrefillTiles()
+
+
 def lora_expand(
     y: torch.Tensor,
     buf: torch.Tensor,
@@ -178,8 +194,10 @@ def lora_expand(
     if meta.num_segs == 0 or T == 0:
         return
     longest = meta.max_seg_len
-    block_m = 16 if longest <= 16 else (32 if longest <= 32 else 64)
-    block_n = 128 if block_m <= 32 else 64
+    prefill = longest > 32
+    block_m = 16 if longest <= 16 else (32 if not prefill else PREFILL.block_m)
+    block_n = PREFILL.block_n if prefill else 128
+    launch = dict(num_warps=PREFILL.num_warps) if prefill else dict(num_warps=4)
     block_r = max(16, triton.next_power_of_2(R))
     tiles = [triton.cdiv(s, block_n) for s in sizes]
     cdt = compute_dtype_of(buf.dtype if b0.dtype == torch.float32 else b0.dtype, b0.dtype)
@@ -195,5 +213,5 @@ def lora_expand(
         y.stride(0), y.stride(1), split, R,
         NUM_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16),
         WDT=tl_dtype(b0.dtype), CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and exact_fp32,
-        USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        USE_PDL=pdl, launch_pdl=pdl, **launch,
     )  # fmt: skip

@@ -23,6 +23,8 @@ the forward) is loaded before the PDL wait, overlapping the previous kernel's ta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -50,7 +52,9 @@ def _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl, R, st
     tok = tl.load(meta_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     ptrs = buf_ptr + split * stride_bsp + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
-    tl.store(ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), mask=m_mask[:, None] & (offs_r < R)[None, :])
+    tl.store(
+        ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), mask=m_mask[:, None] & (offs_r < R)[None, :]
+    )
 
 
 # NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
@@ -178,25 +182,41 @@ DECODE_BLOCK_K = (256, 512)  # the decode K block for K <= 8192 and beyond
 PREFETCH_A = True  # at decode sizes, load the tile of A before the PDL wait
 
 
+@dataclass(frozen=True)
+class PrefillTiles:
+    """The launch of segments longer than 32 tokens (prefill). A knob: ``bench_lora_kernels.py
+    --tune-prefill`` sweeps it at 4096 tokens."""
+
+    block_m: int = 64
+    block_k: int = 64
+    programs: int = 512  # K is split (at most K / (4 * block_k) ways) until the grid has this many
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+PREFILL = PrefillTiles()
+
+
 def _pick_blocks(meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_K, SPLIT_K): enough programs to fill the chip at decode sizes.
 
     Decode sizes (segments of <= 32 tokens): one K block of 256 (512 past K = 8192) per program
-    (ONE_CHUNK): 128-450 programs for Llama-8B's layers with 8 adapters. Larger segments: 64 K a
-    step, K split until ~512 programs (at most 4 steps a split is left alone).
+    (ONE_CHUNK): 128-450 programs for Llama-8B's layers with 8 adapters. Larger segments
+    (``PREFILL``): ``block_k`` K a step, K split until ``programs`` programs (at most 4 steps a split
+    is left alone).
     """
     longest = meta.max_seg_len
-    block_m = 16 if longest <= 16 else (32 if longest <= 32 else 64)
+    block_m = 16 if longest <= 16 else (32 if longest <= 32 else PREFILL.block_m)
     groups = n_slices * n_rblocks * triton.cdiv(longest, block_m) * meta.num_segs
-    if block_m <= 32:
+    if longest <= 32:
         # NOTE: from K alone, not from how many adapters the batch has: eager steps and CUDA graphs
         # (whose static meta has a segment per slot) then split alike and sum the same partials
         block_k = DECODE_BLOCK_K[0] if K <= 8192 else DECODE_BLOCK_K[1]
         return block_m, block_k, triton.cdiv(K, block_k)
-    block_k = 64
+    block_k = PREFILL.block_k
     split = 1
     max_split = max(1, K // (4 * block_k))
-    while groups * split < 512 and split < max_split:
+    while groups * split < PREFILL.programs and split < max_split:
         split *= 2
     return block_m, block_k, split
 
@@ -261,6 +281,10 @@ def lora_shrink(
     if reduce:
         cnt = persistent_buffer(x.device, "lora_shrink/arrivals", n * n_rblocks * grid[1] * grid[2])
     pdl = use_pdl(x.device)
+    prefill = meta.max_seg_len > 32
+    launch = (
+        dict(num_warps=PREFILL.num_warps, num_stages=PREFILL.num_stages) if prefill else dict(num_warps=4)
+    )
     _lora_shrink_kernel[grid](
         x, a0, a1, a2, buf, cnt, meta.packed, ranks,
         T, meta.num_segs, K, k_per_split,
@@ -271,6 +295,6 @@ def lora_shrink(
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
         ZERO_FILL=zero_fill,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
-        USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        USE_PDL=pdl, launch_pdl=pdl, **launch,
     )  # fmt: skip
     return buf[:1] if reduce else buf
