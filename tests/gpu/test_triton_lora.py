@@ -191,7 +191,9 @@ SHRINK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", SHRINK_CASES, ids=lambda c: f"T{c[0]}-S{c[1]}-R{c[2]}-K{c[3]}-{c[4]}sl-static{c[5]}")
+@pytest.mark.parametrize(
+    "case", SHRINK_CASES, ids=lambda c: f"T{c[0]}-S{c[1]}-R{c[2]}-K{c[3]}-{c[4]}sl-static{c[5]}"
+)
 @pytest.mark.parametrize("zero_fill", [False, True])
 def test_shrink_sums_its_splits_deterministically(case, zero_fill, monkeypatch):
     """The shrink hands over one plane: x @ A^T per token's slot (fp32, exact), bit-identical on a
@@ -199,7 +201,9 @@ def test_shrink_sums_its_splits_deterministically(case, zero_fill, monkeypatch):
     With zero_fill every column past a token's rank holds 0 (its storage starts as NaN here)."""
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
-    monkeypatch.setattr(shrink_mod, "_new_buf", lambda shape, device: torch.full(shape, float("nan"), device=device))
+    monkeypatch.setattr(
+        shrink_mod, "_new_buf", lambda shape, device: torch.full(shape, float("nan"), device=device)
+    )
     T, S, R, K, n, static = case
     g = torch.Generator().manual_seed(7)
     ranks = [R - (s % 3) * (R // 4) for s in range(S)]
@@ -207,7 +211,11 @@ def test_shrink_sums_its_splits_deterministically(case, zero_fill, monkeypatch):
     if static:
         slots = [s if s != 2 else -1 for s in slots]  # slot 2 absent: a segment of length 0
         meta = SegmentMeta(
-            torch.tensor(SegmentMeta.static_host(slots, T, S), dtype=torch.int32, device=DEV), T, S, T, static=True
+            torch.tensor(SegmentMeta.static_host(slots, T, S), dtype=torch.int32, device=DEV),
+            T,
+            S,
+            T,
+            static=True,
         )
     else:
         meta = meta_of(LoRAMapping.build(slots, [], DEV))
@@ -226,19 +234,26 @@ def test_shrink_sums_its_splits_deterministically(case, zero_fill, monkeypatch):
         for i, a in enumerate(As):
             ref = x[t].double() @ a[s, 0, :r].double().T
             got = first[0, i, t, :r].double()
-            assert torch.allclose(got, ref, rtol=1e-5, atol=1e-4), f"token {t} slice {i}: {(got - ref).abs().max()}"
-            assert torch.equal(second[0, i, t, :r], first[0, i, t, :r]), "a second launch must give the same bits"
+            assert torch.allclose(got, ref, rtol=1e-5, atol=1e-4), (
+                f"token {t} slice {i}: {(got - ref).abs().max()}"
+            )
+            assert torch.equal(second[0, i, t, :r], first[0, i, t, :r]), (
+                "a second launch must give the same bits"
+            )
             if zero_fill:
-                assert torch.equal(first[0, i, t, r:], torch.zeros_like(first[0, i, t, r:])), f"token {t}: not zeros past rank"
+                assert torch.equal(first[0, i, t, r:], torch.zeros_like(first[0, i, t, r:])), (
+                    f"token {t}: not zeros past rank"
+                )
     pool = triton_utils._PERSISTENT.get(("lora_shrink/arrivals", x.device, torch.int32), [])
     assert pool, "every case splits K, so the shrink counted arrivals"
     assert not any(c.any() for c in pool), "the arrival counters must be back to zero after a launch"
 
 
 PREFILL_TILES = [  # (shrink, expand) tiles the prefill sweep (bench_lora_kernels.py --tune-prefill) can pick
-    ((64, 64, 512, 4, 3), (64, 64, 4)),
-    ((128, 128, 1024, 8, 4), (128, 256, 8)),
-    ((64, 128, 512, 8, 3), (32, 128, 4)),
+    ((64, 64, 512, 4, 3, False), (64, 64, 4)),
+    ((128, 128, 1024, 8, 4, False), (128, 256, 8)),
+    ((64, 128, 512, 8, 3, True), (32, 128, 4)),
+    ((128, 64, 256, 4, 3, True), (64, 128, 8)),
 ]
 
 
@@ -253,8 +268,7 @@ def test_prefill_tiles_match_reference(tiles, case, monkeypatch):
     from loraserve.lora.ops.triton import lora_expand as expand_mod
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
-    bm, bk, programs, warps, stages = tiles[0]
-    monkeypatch.setattr(shrink_mod, "PREFILL", shrink_mod.PrefillTiles(bm, bk, programs, warps, stages))
+    monkeypatch.setattr(shrink_mod, "PREFILL", shrink_mod.PrefillTiles(*tiles[0]))
     monkeypatch.setattr(expand_mod, "PREFILL", expand_mod.PrefillTiles(*tiles[1]))
     T, S, R, n_in, outs, xdt, wdt, ydt = case
     g = torch.Generator().manual_seed(3)

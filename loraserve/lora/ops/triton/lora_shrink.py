@@ -57,6 +57,61 @@ def _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl, R, st
     )
 
 
+@triton.jit
+def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split,
+                       stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm,
+                       R, NUM_SLICES: tl.constexpr, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, CDT: tl.constexpr,
+                       IEEE: tl.constexpr, USE_PDL: tl.constexpr, slot, seg, seg_start, seg_len, rank, rblock,
+                       split, pid_m):  # fmt: skip
+    """FUSE_SLICES (prefill): one program computes the tile (BLOCK_M tokens, BLOCK_R ranks, its K split) of
+    every slice, each tile of x loaded once for all of them; then the same stores and split sum as a
+    one-slice program, with one arrival for the slices together."""
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    tok = tl.load(meta_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_r = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_k = tl.arange(0, BLOCK_K)
+    k_begin = split * k_per_split
+    x_row = x_ptr + tok[:, None] * stride_xm
+    a_off = slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar  # the slices share A's layout
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        kk = k_begin + k + offs_k
+        k_mask = kk < K
+        xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a_mask = k_mask[:, None] & r_mask[None, :]
+        a_k = a_off + kk[:, None] * stride_ak
+        acc0 += dot_in(xt, tl.load(a0_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
+        if NUM_SLICES > 1:
+            acc1 += dot_in(xt, tl.load(a1_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
+        if NUM_SLICES > 2:
+            acc2 += dot_in(xt, tl.load(a2_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
+    out = buf_ptr + tok[:, None] * stride_bm + offs_r[None, :]  # slice 0, plane 0
+    out_mask = m_mask[:, None] & (offs_r < R)[None, :]
+    tl.store(out + split * stride_bsp, acc0, mask=out_mask)
+    if NUM_SLICES > 1:
+        tl.store(out + stride_bi + split * stride_bsp, acc1, mask=out_mask)
+    if NUM_SLICES > 2:
+        tl.store(out + 2 * stride_bi + split * stride_bsp, acc2, mask=out_mask)
+    if REDUCE:  # as the one-slice program's (see there), a group being (rank block, token block, segment)
+        tl.debug_barrier()
+        group = (rblock * tl.num_programs(1) + pid_m) * S + seg
+        arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            for i in tl.static_range(NUM_SLICES):
+                o = out + i * stride_bi
+                tl.store(o, sum_planes(o, out_mask, SPLIT_K, stride_bsp, RED, True), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
+
+
 # NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
 # multiples of 16 and vectorizes the masked loads along the contiguous axis; as runtime ints every
 # masked load there went scalar. Specializing compiles once per divisibility class, not per value.
@@ -93,6 +148,7 @@ def _lora_shrink_kernel(
     REDUCE: tl.constexpr,  # sum the splits here (the last arrival); else each split keeps its plane
     ONE_CHUNK: tl.constexpr,  # k_per_split == BLOCK_K: one tile of A per program, loaded before the wait
     ZERO_FILL: tl.constexpr,  # programs past their slot's rank store zeros (the columns the readers see)
+    FUSE_SLICES: tl.constexpr,  # a program computes every slice of its tile (x read once), not one
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -102,7 +158,7 @@ def _lora_shrink_kernel(
     seg = tl.program_id(2)
     split = pid0 % SPLIT_K
     rblock = (pid0 // SPLIT_K) % NUM_RBLOCKS
-    sl = pid0 // (SPLIT_K * NUM_RBLOCKS)
+    sl = pid0 // (SPLIT_K * NUM_RBLOCKS)  # (FUSE_SLICES: 0, the program owns them all)
 
     slot = tl.load(meta_ptr + T + seg)
     seg_start = tl.load(meta_ptr + T + S + seg)
@@ -119,8 +175,16 @@ def _lora_shrink_kernel(
         if ZERO_FILL:
             # columns past the slot's rank (a rank-0 slot: all of them) hold zeros, in every plane a reader
             # sums (plane 0 alone when the splits are summed here): decode_linear's epilogue loads no rank
-            _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl, R, stride_bsp, stride_bi,
-                         stride_bm, BLOCK_M, BLOCK_R, REDUCE)  # fmt: skip
+            for i in tl.static_range(NUM_SLICES if FUSE_SLICES else 1):
+                _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl + i, R, stride_bsp,
+                             stride_bi, stride_bm, BLOCK_M, BLOCK_R, REDUCE)  # fmt: skip
+        return
+
+    if FUSE_SLICES:
+        _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split,
+                           stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi,
+                           stride_bm, R, NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, CDT,
+                           IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
         return
 
     if NUM_SLICES == 1:
@@ -192,12 +256,14 @@ class PrefillTiles:
     programs: int = 512  # K is split (at most K / (4 * block_k) ways) until the grid has this many
     num_warps: int = 4
     num_stages: int = 3
+    fuse_slices: bool = False  # a program computes every slice (x read once) instead of one
 
 
 PREFILL = PrefillTiles()
 
 
 def _pick_blocks(meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int) -> tuple[int, int, int]:
+    # (n_slices: the slices on the grid, 1 when a program computes them all)
     """(BLOCK_M, BLOCK_K, SPLIT_K): enough programs to fill the chip at decode sizes.
 
     Decode sizes (segments of <= 32 tokens): one K block of 256 (512 past K = 8192) per program
@@ -267,7 +333,8 @@ def lora_shrink(
     assert max_rank <= R
     # zero_fill: the rank axis covers all R columns, not max_rank (programs past a slot's rank store zeros)
     n_rblocks = triton.cdiv(R if zero_fill else max(max_rank, 1), block_r)
-    block_m, block_k, split = _pick_blocks(meta, n, n_rblocks, K)
+    fuse = meta.max_seg_len > 32 and PREFILL.fuse_slices and n > 1
+    block_m, block_k, split = _pick_blocks(meta, 1 if fuse else n, n_rblocks, K)
     buf = _new_buf((split, n, T, R), x.device)
     if meta.num_segs == 0 or T == 0:
         return buf[:1]  # nothing is read
@@ -275,7 +342,7 @@ def lora_shrink(
     cdt = compute_dtype_of(x.dtype, a0.dtype)
     a1 = lora_a[1] if n > 1 else a0
     a2 = lora_a[2] if n > 2 else a0
-    grid = (split * n_rblocks * n, triton.cdiv(meta.max_seg_len, block_m), meta.num_segs)
+    grid = (split * n_rblocks * (1 if fuse else n), triton.cdiv(meta.max_seg_len, block_m), meta.num_segs)
     reduce = reduce and split > 1
     cnt = buf
     if reduce:
@@ -293,7 +360,7 @@ def lora_shrink(
         buf.stride(0), buf.stride(1), buf.stride(2), R,
         NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
-        ZERO_FILL=zero_fill,
+        ZERO_FILL=zero_fill, FUSE_SLICES=fuse,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
         USE_PDL=pdl, launch_pdl=pdl, **launch,
     )  # fmt: skip
