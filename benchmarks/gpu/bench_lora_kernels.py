@@ -247,7 +247,6 @@ def tune_prefill(bw: float) -> dict:
     each against the default tiles, in this run. Leaves the fastest in place (so a table that follows
     measures them) and returns them."""
     import dataclasses
-    import functools
     import itertools
 
     from loraserve.lora.ops.triton import lora_expand as expand_mod
@@ -261,6 +260,7 @@ def tune_prefill(bw: float) -> dict:
             block_m=bm, block_k=bk, programs=p, num_warps=w, num_stages=st, fuse_slices=True
         )
         for bm, bk, p, w, st in itertools.product((64, 128), (64, 128, 256), (256, 512), (4, 8), (3,))
+        if bm * bk <= 16384  # 128 x 256 overflows shared memory (270 KB of 227, session 9)
     ] + [
         shrink_mod.PrefillTiles(
             block_m=64, block_k=64, programs=256, num_warps=4, num_stages=4, fuse_slices=True
@@ -272,75 +272,84 @@ def tune_prefill(bw: float) -> dict:
     ]
     shrink_grid = [default_s] + [t for t in shrink_grid if t != default_s]  # the baseline is always timed
     expand_grid = [default_e] + [t for t in expand_grid if t != default_e]
+
+    def tune_case(wdtype, name, T, S, K, outs):
+        """The sweep of one case: per kernel, the candidates' (µs, tiles, rel err), fastest first."""
+        g = torch.Generator(device=DEV).manual_seed(5)
+        slots = [(t // 128) % S for t in range(T)]
+        meta = LoRAMapping.build(slots, [], DEV).token_meta
+        rank = 16
+        As = tuple(torch.randn(S, 1, rank, K, device=DEV, generator=g).mul_(0.02).to(wdtype) for _ in outs)
+        Bs = tuple(torch.randn(S, 1, n, rank, device=DEV, generator=g).mul_(0.02).to(wdtype) for n in outs)
+        x = torch.randn(T, K, device=DEV, generator=g).to(torch.bfloat16)
+        y = torch.randn(T, sum(outs), device=DEV, generator=g).to(torch.bfloat16)
+        ranks = torch.full((S,), rank, dtype=torch.int32, device=DEV)
+        w = torch.finfo(wdtype).bits // 8
+        s_bytes = T * K * 2 + S * len(outs) * rank * K * w + len(outs) * T * rank * 4
+        e_bytes = 2 * T * sum(outs) * 2 + S * sum(outs) * rank * w + len(outs) * T * rank * 4
+        shrink_mod.PREFILL, expand_mod.PREFILL = default_s, default_e
+        ref_buf = shrink_mod.lora_shrink(x, As, meta, ranks, rank).clone()
+        ref_y = y.clone()
+        expand_mod.lora_expand(ref_y, ref_buf, Bs, meta, ranks, exact_fp32=False)  # bf16 x, as the engine
+
+        def shrink_run():
+            return shrink_mod.lora_shrink(x, As, meta, ranks, rank)
+
+        def shrink_err():
+            return ((shrink_run() - ref_buf).norm() / ref_buf.norm()).item()
+
+        yy = y.clone()
+
+        def expand_run():
+            expand_mod.lora_expand(yy, ref_buf, Bs, meta, ranks, exact_fp32=False)
+
+        def expand_err():
+            yy.copy_(y)
+            expand_run()
+            return ((yy.float() - ref_y.float()).norm() / (ref_y.float() - y.float()).norm()).item()
+
+        def measured(fn, check):
+            """(µs, rel err vs the default tiles, None) or (None, None, why): a candidate that does not
+            compile or launch (shared memory, registers) is skipped."""
+            try:
+                err = check()
+                gr = graph_of(fn)
+            except Exception as e:
+                return None, None, str(e).splitlines()[0][:100]
+            return do_bench(gr.replay, warmup=10, rep=60, return_mode="median") * 1e3, err, None
+
+        best = {}
+        for kind, grid, nbytes in (("shrink", shrink_grid, s_bytes), ("expand", expand_grid, e_bytes)):
+            rows = []
+            for tiles in grid:
+                if kind == "shrink":
+                    shrink_mod.PREFILL = tiles
+                    us, err, why = measured(shrink_run, shrink_err)
+                    shrink_mod.PREFILL = default_s
+                else:
+                    expand_mod.PREFILL = tiles
+                    us, err, why = measured(expand_run, expand_err)
+                    expand_mod.PREFILL = default_e
+                if us is None:
+                    print(f"  {kind} {name} {wdtype} {tiles}: skipped ({why})")
+                    continue
+                if not err < 1e-2:  # a broken candidate is reported and never chosen
+                    print(f"  {kind} {name} {wdtype} {tiles}: differs from the default tiles, {err:.1e}")
+                    continue
+                rows.append((us, tiles, err))
+            rows.sort(key=lambda r: r[0])
+            dflt = next(r[0] for r in rows if r[1] == (default_s if kind == "shrink" else default_e))
+            for us, tiles, err in rows[:5]:
+                print(f"| {name} | {T} | {str(wdtype)[6:]} | {kind} | {dataclasses.astuple(tiles)} | {us:.1f} | "
+                      f"{100 * nbytes / (us * 1e-6) / bw:.0f}% | default {dflt:.1f} µs "
+                      f"({100 * nbytes / (dflt * 1e-6) / bw:.0f}%) | rel err {err:.0e} |")  # fmt: skip
+            best[kind] = rows
+        return best
+
     picks = {}
     for wdtype in (torch.bfloat16, torch.float32):
         for name, T, S, K, outs in PREFILL_CASES:
-            g = torch.Generator(device=DEV).manual_seed(5)
-            slots = [(t // 128) % S for t in range(T)]
-            meta = LoRAMapping.build(slots, [], DEV).token_meta
-            rank = 16
-            As = tuple(
-                torch.randn(S, 1, rank, K, device=DEV, generator=g).mul_(0.02).to(wdtype) for _ in outs
-            )
-            Bs = tuple(
-                torch.randn(S, 1, n, rank, device=DEV, generator=g).mul_(0.02).to(wdtype) for n in outs
-            )
-            x = torch.randn(T, K, device=DEV, generator=g).to(torch.bfloat16)
-            y = torch.randn(T, sum(outs), device=DEV, generator=g).to(torch.bfloat16)
-            ranks = torch.full((S,), rank, dtype=torch.int32, device=DEV)
-            w = torch.finfo(wdtype).bits // 8
-            s_bytes = T * K * 2 + S * len(outs) * rank * K * w + len(outs) * T * rank * 4
-            e_bytes = 2 * T * sum(outs) * 2 + S * sum(outs) * rank * w + len(outs) * T * rank * 4
-            shrink_mod.PREFILL, expand_mod.PREFILL = default_s, default_e
-            ref_buf = shrink_mod.lora_shrink(x, As, meta, ranks, rank).clone()
-            ref_y = y.clone()
-            expand_mod.lora_expand(ref_y, ref_buf, Bs, meta, ranks, exact_fp32=False)  # bf16 x, as the engine
-
-            def timed(fn):
-                try:
-                    gr = graph_of(fn)
-                except Exception as e:  # out of resources (shared memory, registers): not a candidate
-                    return None, str(e).splitlines()[0][:80]
-                return do_bench(gr.replay, warmup=10, rep=60, return_mode="median") * 1e3, None
-
-            best = {}
-            for kind, grid, nbytes in (("shrink", shrink_grid, s_bytes), ("expand", expand_grid, e_bytes)):
-                rows = []
-                for tiles in grid:
-                    if kind == "shrink":
-                        shrink_mod.PREFILL = tiles
-                        out = shrink_mod.lora_shrink(x, As, meta, ranks, rank)
-                        err = ((out - ref_buf).norm() / ref_buf.norm()).item()
-                        us, why = timed(functools.partial(shrink_mod.lora_shrink, x, As, meta, ranks, rank))
-                        shrink_mod.PREFILL = default_s
-                    else:
-                        expand_mod.PREFILL = tiles
-                        yy = y.clone()
-                        expand_mod.lora_expand(yy, ref_buf, Bs, meta, ranks, exact_fp32=False)
-                        err = (
-                            (yy.float() - ref_y.float()).norm() / (ref_y.float() - y.float()).norm()
-                        ).item()
-                        us, why = timed(
-                            functools.partial(
-                                expand_mod.lora_expand, yy, ref_buf, Bs, meta, ranks, exact_fp32=False
-                            )
-                        )
-                        expand_mod.PREFILL = default_e
-                    if us is None:
-                        print(f"  {kind} {name} {wdtype} {tiles}: skipped ({why})")
-                        continue
-                    if not err < 1e-2:  # a broken candidate is reported and never chosen
-                        print(f"  {kind} {name} {wdtype} {tiles}: differs from the default tiles, {err:.1e}")
-                        continue
-                    rows.append((us, tiles, err))
-                rows.sort(key=lambda r: r[0])
-                dflt = next(r[0] for r in rows if r[1] == (default_s if kind == "shrink" else default_e))
-                for us, tiles, err in rows[:5]:
-                    print(f"| {name} | {T} | {str(wdtype)[6:]} | {kind} | {dataclasses.astuple(tiles)} | {us:.1f} | "
-                          f"{100 * nbytes / (us * 1e-6) / bw:.0f}% | default {dflt:.1f} µs "
-                          f"({100 * nbytes / (dflt * 1e-6) / bw:.0f}%) | rel err {err:.0e} |")  # fmt: skip
-                best[kind] = rows
-            picks[(name, str(wdtype))] = best
+            picks[(name, str(wdtype))] = tune_case(wdtype, name, T, S, K, outs)
     # one pick per kernel for every case: the tiles with the least summed time over the cases
     chosen = {}
     for kind, default in (("shrink", default_s), ("expand", default_e)):

@@ -54,6 +54,9 @@ for stage in "$@"; do
             timeout 100 python3 benchmarks/gpu/bench_lora_kernels.py --prefill-only --json "$OUT/prefill_default.json" 2>&1 | tee "$OUT/prefill_default.txt" | grep "^| qkv\|^| gate_up\|copy"
             timeout 420 python3 benchmarks/gpu/bench_lora_kernels.py --tune-prefill --prefill-only --json "$OUT/prefill_tuned.json" 2>&1 | tee "$OUT/prefill_tuned.txt" | grep -v "^|---"
             ;;
+        prefill-tune)
+            timeout 420 python3 benchmarks/gpu/bench_lora_kernels.py --tune-prefill --prefill-only --json "$OUT/prefill_tuned.json" 2>&1 | tee "$OUT/prefill_tuned.txt" | grep -v "^|---"
+            ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"
             ;;
