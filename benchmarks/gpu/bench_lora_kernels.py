@@ -254,7 +254,7 @@ def tune_prefill(bw: float) -> dict:
 
     default_s, default_e = shrink_mod.PREFILL, expand_mod.PREFILL
     # (session 9's first sweep: one slice a program, 64 x 64 tiles, 512 programs, 4 warps, 3 stages was
-    # the fastest of 32; the slices of a program sharing x's loads are new)
+    # the fastest of 32, the defaults before; its second chose every slice in a program, below)
     shrink_grid = [
         shrink_mod.PrefillTiles(
             block_m=bm, block_k=bk, programs=p, num_warps=w, num_stages=st, fuse_slices=True
@@ -264,7 +264,10 @@ def tune_prefill(bw: float) -> dict:
     ] + [
         shrink_mod.PrefillTiles(
             block_m=64, block_k=64, programs=256, num_warps=4, num_stages=4, fuse_slices=True
-        )
+        ),
+        shrink_mod.PrefillTiles(
+            block_m=64, block_k=64, programs=512, num_warps=4, num_stages=3, fuse_slices=False
+        ),
     ]
     expand_grid = [
         expand_mod.PrefillTiles(block_m=bm, block_n=bn, num_warps=w)
