@@ -14,8 +14,7 @@
 #   bash benchmarks/gpu/run_device.sh prefill   # LoRA kernel tests, the 4096-token rows as they are, then after
 #                                               bench_lora_kernels --tune-prefill (the shrink's and expand's tile sweep)
 #   bash benchmarks/gpu/run_device.sh prefill-tune   # only the sweep (and the 4096-token rows after it)
-#   bash benchmarks/gpu/run_device.sh prefill-check  # every GPU test, the 4096-token rows with the expand's y
-#                                                    loaded before its PDL wait (default) and after
+#   bash benchmarks/gpu/run_device.sh prefill-check  # every GPU test, then the 4096-token rows
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -60,7 +59,6 @@ for stage in "$@"; do
         prefill-check)
             timeout 300 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
             timeout 80 python3 benchmarks/gpu/bench_lora_kernels.py --prefill-only --json "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.txt" | grep "^| qkv\|^| gate_up\|copy"
-            LORASERVE_EXPAND_PREFETCH_Y=0 timeout 80 python3 benchmarks/gpu/bench_lora_kernels.py --prefill-only --json "$OUT/prefill_nopre.json" 2>&1 | tee "$OUT/prefill_nopre.txt" | grep "^| qkv\|^| gate_up\|copy"
             ;;
         prefill-tune)
             timeout 420 python3 benchmarks/gpu/bench_lora_kernels.py --tune-prefill --prefill-only --json "$OUT/prefill_tuned.json" 2>&1 | tee "$OUT/prefill_tuned.txt" | grep -v "^|---"

@@ -264,14 +264,11 @@ PREFILL_TILES = [  # (shrink, expand) tiles the prefill sweep (bench_lora_kernel
     [CASES[5], (260, 3, 16, 896, (896, 128, 128), torch.float16, torch.float32, torch.float16)],
     ids=lambda c: f"T{c[0]}-{c[5]}",
 )
-@pytest.mark.parametrize("prefetch_y", [True, False], ids=["y-before-wait", "y-after-wait"])
-def test_prefill_tiles_match_reference(tiles, case, prefetch_y, monkeypatch):
-    """Segments longer than 32 tokens take the PREFILL tiles: every candidate gives the reference's delta,
-    with the expand's y loaded before its PDL wait or after."""
+def test_prefill_tiles_match_reference(tiles, case, monkeypatch):
+    """Segments longer than 32 tokens take the PREFILL tiles: every candidate gives the reference's delta."""
     from loraserve.lora.ops.triton import lora_expand as expand_mod
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
-    monkeypatch.setattr(expand_mod, "PREFETCH_Y", prefetch_y)
     monkeypatch.setattr(shrink_mod, "PREFILL", shrink_mod.PrefillTiles(*tiles[0]))
     monkeypatch.setattr(expand_mod, "PREFILL", expand_mod.PrefillTiles(*tiles[1]))
     T, S, R, n_in, outs, xdt, wdt, ydt = case
