@@ -168,19 +168,13 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
                            {"epi_cols": 64}),
     "32 columns per MMA": ("the epilogue's MMAs over 2 slots (4 chunks): 168 registers, 3 programs per SM",
                            {"epi_cols": 32}),
-    "168 registers": ("the GEMM's LoRA variant capped at the base GEMM's 168 registers (spills, 3 programs per SM)",
-                      {"maxnreg": 168}),
-    "B block pointer": ("the epilogue loads B through a 3-D block pointer: no spill at 128 columns",
-                        {"b_block_ptr": True}),
-    "B block pointer, 168 registers": ("both: 3 programs per SM, 120 bytes of spill a thread",
-                                       {"b_block_ptr": True, "maxnreg": 168}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
     "no PDL": ("two ordinary launches", {"pdl": False}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
     # {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)} (session 6); the delta in a launch
     # of its own after the GEMM (session 7, commit bfb8465); the delta as more K columns of the GEMM (2fab3e5),
     # B pulled into L2 before the K loop (cf605f9), an x-ready flag instead of the shrink's trigger (a392f5b;
-    # session 8)
+    # session 8); the LoRA variant capped at 168 registers, B through a 3-D block pointer, both (session 9)
 }
 PARTS = ("default",)  # configs whose cost is also split into shrink and epilogue
 
@@ -207,7 +201,7 @@ def matrix(layers: int) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.LORA_MAXNREG, expand_block.B_BLOCK_PTR)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if knobs.get("pdl") is False:
             shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = lambda device: False
@@ -216,8 +210,6 @@ def matrix(layers: int) -> list[dict]:
         shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
         triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
-        dl.LORA_MAXNREG = knobs.get("maxnreg", saved[7])
-        expand_block.B_BLOCK_PTR = knobs.get("b_block_ptr", saved[8])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -237,8 +229,8 @@ def matrix(layers: int) -> list[dict]:
                   f"{t_fus:.1f} | {t_fus - t_ours:.1f} | {err:.1e} |", flush=True)  # fmt: skip
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
-        (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
-         dl.LORA_MAXNREG, expand_block.B_BLOCK_PTR) = saved[3:9]  # fmt: skip
+        (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN,
+         expand_block.MMA_COLUMNS) = saved[3:7]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

@@ -27,11 +27,10 @@ SM_REGS, SM_SMEM, RESERVED = 65536, 228 * 1024, 1024
 OPS = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,))]
 
 
-def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0,
-               block_ptr: bool = False):  # fmt: skip
+def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0):
     """The kernel as decode_linear launches it for 32 tokens with the default tiles (bf16 x and W;
-    8 slots of rank 16 when lora_dtype is "fp32" or "bf16"; ``maxnreg``: decode_linear.LORA_MAXNREG;
-    ``block_ptr``: expand_block.B_BLOCK_PTR)."""
+    8 slots of rank 16 when lora_dtype is "fp32" or "bf16"; ``maxnreg``: a register cap, the launch
+    option, which session 9 timed and dropped)."""
     N = sum(slices)
     tiles = dl.default_tiles(32, N, K, None)
     lora = lora_dtype is not None
@@ -44,7 +43,7 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_R=16, SLOTS_PER_CHUNK=max(1, min(8, columns // 16)),
         RED=1, SPLIT_W=tiles.split_k, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl.bfloat16, IEEE=False, LORA_WDT=wdt, LORA_CDT=wdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
-        WAIT_FIRST=not lora, B_BLOCK_PTR=block_ptr,
+        WAIT_FIRST=not lora,
     )  # fmt: skip
     fn = dl._decode_linear_kernel
     sig, const = {}, {}
@@ -73,21 +72,20 @@ def registers_and_stack(kernel) -> tuple[int, int]:
 
 
 def main() -> None:
-    print("| op | LoRA B | epilogue columns per MMA | B block pointer | register cap | registers | spill bytes | shared KB | programs per SM (regs, smem) | programs | waves |")
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    configs = [(None, 0, 0, False), ("fp32", 128, 0, False), ("fp32", 64, 0, False), ("fp32", 32, 0, False),
-               ("fp32", 128, 168, False), ("fp32", 128, 0, True), ("fp32", 128, 168, True), ("bf16", 128, 0, False),
-               ("bf16", 32, 0, False), ("bf16", 128, 168, False), ("bf16", 128, 0, True), ("bf16", 128, 168, True)]  # fmt: skip
+    print("| op | LoRA B | epilogue columns per MMA | register cap | registers | spill bytes | shared KB | programs per SM (regs, smem) | programs | waves |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    configs = [(None, 0, 0), ("fp32", 128, 0), ("fp32", 64, 0), ("fp32", 32, 0), ("fp32", 128, 168),
+               ("bf16", 128, 0), ("bf16", 32, 0), ("bf16", 128, 168)]  # fmt: skip
     for name, K, slices in OPS:
-        for lora_dtype, columns, cap, block_ptr in configs:
-            k, tiles = compile_op(K, slices, lora_dtype, columns, cap, block_ptr)
+        for lora_dtype, columns, cap in configs:
+            k, tiles = compile_op(K, slices, lora_dtype, columns, cap)
             regs, stack = registers_and_stack(k)
             threads = 32 * tiles.num_warps
             by_regs = SM_REGS // (((regs + 7) // 8 * 8) * threads)
             by_smem = SM_SMEM // (k.metadata.shared + RESERVED)
             per_sm = min(by_regs, by_smem, 2048 // threads, 32)
             programs = triton.cdiv(sum(slices), tiles.block_n) * tiles.split_k
-            print(f"| {name} | {lora_dtype or '-'} | {columns or '-'} | {'yes' if block_ptr else '-'} | {cap or '-'} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} | "
+            print(f"| {name} | {lora_dtype or '-'} | {columns or '-'} | {cap or '-'} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} | "
                   f"{per_sm} ({by_regs}, {by_smem}) | {programs} | {programs / (132 * per_sm):.2f} |", flush=True)  # fmt: skip
 
 

@@ -8,9 +8,7 @@
 #   bash benchmarks/gpu/run_device.sh decode    # bench_decode_linear: decode GEMM (+ fused LoRA) vs cuBLAS, Llama-8B
 #   bash benchmarks/gpu/run_device.sh decode-tune  # the same after its tile sweep
 #   bash benchmarks/gpu/run_device.sh peft      # tests/lora/test_peft_features.py on the GPU (every PEFT extra, graphs on)
-#   bash benchmarks/gpu/run_device.sh lora      # the LoRA decode loop: kernel tests, bench_e2e Llama-8B (no HF) as is
-#                                               and with the epilogue's MMA over 2 slots (LORASERVE_EPILOGUE_COLUMNS=32),
-#                                               then --matrix
+#   bash benchmarks/gpu/run_device.sh lora      # the LoRA decode loop: kernel tests, bench_e2e Llama-8B (no HF), then --matrix
 #   bash benchmarks/gpu/run_device.sh prefill   # LoRA kernel tests, the 4096-token rows as they are, then after
 #                                               bench_lora_kernels --tune-prefill (the shrink's and expand's tile sweep)
 #   bash benchmarks/gpu/run_device.sh prefill-tune   # only the sweep (and the 4096-token rows after it)
@@ -48,7 +46,6 @@ for stage in "$@"; do
         lora)
             timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"
             timeout 170 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e_8b.json" 2>&1 | tee "$OUT/e2e_8b.txt" | grep -A6 "^| model"
-            LORASERVE_EPILOGUE_COLUMNS=32 timeout 170 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e_8b_cols32.json" 2>&1 | tee "$OUT/e2e_8b_cols32.txt" | grep -A6 "^| model"
             timeout 240 python3 benchmarks/gpu/bench_decode_linear.py --matrix --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt"
             ;;
         prefill)

@@ -62,7 +62,6 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton import expand_block
 from loraserve.lora.ops.triton.expand_block import block_delta, slots_per_chunk
 from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, pdl_link, persistent_buffer, tl_dtype
 
@@ -96,12 +95,10 @@ class ExpandEpilogue:
     pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
 
 
-# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_LORA_MAXNREG sets it; 0: none):
-# a cap on the registers of the LoRA variant. Compiled for sm_90 it takes 255 registers (and spills)
-# where the base GEMM takes 168, so 2 programs fit an SM instead of 3 and gate_up's 448 programs run in
-# 1.7 waves instead of 1.13 (benchmarks/gpu/kernel_resources.py); capped at 168 it spills more (584
-# bytes a thread) but fits 3. Not yet timed on the GPU (session 8).
-LORA_MAXNREG = int(os.environ.get("LORASERVE_LORA_MAXNREG", "0"))
+# NOTE: the LoRA variant compiled for sm_90 takes 255 registers (and spills) where the base GEMM takes
+# 168, so 2 programs fit an SM instead of 3 (benchmarks/gpu/kernel_resources.py). Capped at 168 with the
+# maxnreg launch option it fits 3 but spills more: timed on the H200 (session 9, 8 fp32 slots), the
+# LoRA cost per layer was 25.4 vs 25.0 µs, so the cap was removed.
 
 
 def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
@@ -182,7 +179,6 @@ def _epilogue(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    B_BLOCK_PTR: tl.constexpr,
 ):
     """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -201,7 +197,6 @@ def _epilogue(
             pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
             stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
-            B_BLOCK_PTR,
         )  # fmt: skip
         y = (y.to(tl.float32) + delta).to(out_dt)
 
@@ -263,7 +258,6 @@ def _decode_linear_kernel(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    B_BLOCK_PTR: tl.constexpr,  # expand_block.B_BLOCK_PTR
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
     WAIT_FIRST: tl.constexpr,  # (PDL_CHAIN) wait for the kernel before us before reading x
 ):
@@ -308,7 +302,7 @@ def _decode_linear_kernel(
             acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, B_BLOCK_PTR,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
@@ -330,7 +324,7 @@ def _decode_linear_kernel(
                 total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
                 S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, B_BLOCK_PTR,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
 
 
@@ -431,9 +425,8 @@ def decode_linear(
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
         # NOTE: as the shrink's dependent (USE_PDL) we may read x at once: the shrink waited for it before
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
-        USE_PDL=pdl, B_BLOCK_PTR=expand_block.B_BLOCK_PTR, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain,
-        **({"maxnreg": LORA_MAXNREG} if lora is not None and LORA_MAXNREG else {}),
         **lora_consts,
     )  # fmt: skip
     return y

@@ -58,18 +58,13 @@ def lora_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2
 
 @triton.jit
 def lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr, BLOCK_PTR: tl.constexpr):  # fmt: skip
+                 BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr):  # fmt: skip
     """(BLOCK_N, C) B of slots chunk .. chunk + SLOTS_PER_CHUNK for this block's columns: column c is
-    slot chunk + c // BLOCK_R, rank index c % BLOCK_R. BLOCK_PTR: through a 3-D block pointer (slots,
-    rows, ranks), which spares the registers of a (BLOCK_N, C) tile of 64-bit addresses (B_BLOCK_PTR)."""
-    if BLOCK_PTR:
-        # rows need no bound (BLOCK_N divides the slice); slots past S and ranks past R read as zeros
-        bp = tl.make_block_ptr(
-            base=b_ptr, shape=(S, n_loc0 + BLOCK_N, R), strides=(stride_ws, R, 1), offsets=(chunk, n_loc0, 0),
-            block_shape=(SLOTS_PER_CHUNK, BLOCK_N, BLOCK_R), order=(2, 1, 0),
-        )  # fmt: skip
-        b3 = tl.load(bp, boundary_check=(0, 2), padding_option="zero")
-        return tl.reshape(tl.permute(b3, (1, 0, 2)), (BLOCK_N, SLOTS_PER_CHUNK * BLOCK_R))
+    slot chunk + c // BLOCK_R, rank index c % BLOCK_R.
+
+    NOTE: loading it through a 3-D block pointer (slots, rows, ranks), which compiled for sm_90 without
+    the spill of this tile of 64-bit addresses, measured the same (H200, session 9: 24.7 vs 25.0 µs of
+    LoRA cost per layer, fp32 B; 33.2 capped at 168 registers) and was removed."""
     offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
     c_r = offs_c % BLOCK_R
     c_j = chunk + offs_c // BLOCK_R
@@ -104,7 +99,6 @@ def block_delta(
     R: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr, RED: tl.constexpr,
     LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr, LORA_IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-    B_BLOCK_PTR: tl.constexpr,
 ):  # fmt: skip
     """delta (BLOCK_N, BLOCK_M) fp32 of column block pid_n for tokens 0..M-1 (zero for tokens of no slot).
 
@@ -129,7 +123,7 @@ def block_delta(
     h_mask = m_mask[:, None] & (offs_r < R)[None, :]
     delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for chunk in range(0, S, SLOTS_PER_CHUNK):
-        b = lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, B_BLOCK_PTR)
+        b = lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
         if USE_PDL:
             # launched while the shrink runs: its buf is read only after it has finished
             tl.extra.cuda.gdc_wait()
@@ -143,12 +137,9 @@ def block_delta(
 # most columns of (slot, r) per MMA of the epilogue. Fewer columns, more chunks (a round trip each), but
 # fewer registers: compiled for sm_90 (benchmarks/gpu/kernel_resources.py), decode_linear's LoRA variant
 # takes 255 registers and spills at 128 columns, 204 at 64, and 168 at 32, as the base GEMM does (3
-# programs per SM instead of 2). Not yet timed on the GPU (session 8).
+# programs per SM instead of 2). Timed on the H200 (session 9, 8 fp32 slots, LoRA cost per layer): 25.0
+# µs at 128, 24.3 at 64, 31.9 at 32 (the 8-adapter step 5.76 vs 5.55 ms): registers are not what costs.
 MMA_COLUMNS = int(os.environ.get("LORASERVE_EPILOGUE_COLUMNS", "128"))
-# Knob (LORASERVE_B_BLOCK_PTR=1; --matrix sweeps it): load B's chunk through a block pointer. Compiled for
-# sm_90: no spill at 128 columns (255 registers for fp32 B, 202 for bf16), and capped at 168 registers
-# (LORASERVE_LORA_MAXNREG) it spills 120 bytes a thread instead of 584. Not yet timed (session 8).
-B_BLOCK_PTR = os.environ.get("LORASERVE_B_BLOCK_PTR", "0") == "1"
 
 
 def slots_per_chunk(n_slots: int, block_r: int) -> int:
