@@ -28,7 +28,7 @@ from loraserve.layers import triton_decode_linear as dl
 from loraserve.lora.ops import triton_ops
 from loraserve.lora.ops.triton import expand_block
 from loraserve.lora.ops.triton import utils as triton_utils
-from loraserve.lora.ops.triton.lora_shrink import lora_shrink
+from loraserve.lora.ops.triton.lora_shrink import lora_shrink, plan_in_launch
 from loraserve.lora.ops.triton_ops import TritonLoRAOps
 from loraserve.lora.punica import LoRAMapping
 
@@ -119,6 +119,16 @@ def bench_base(case: Case, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
     return graph_us(cublas, len(case.ws)), graph_us(ours, len(case.ws))
 
 
+def fused_epilogue(case: Case, ops: TritonLoRAOps, A, B, rank_dev, R) -> dl.ExpandEpilogue:
+    """The LoRA epilogue as linear_with_lora builds it: the shrink launched first (PDL), or in the GEMM's
+    own launch (triton_ops.SHRINK_IN_GEMM)."""
+    if triton_ops.SHRINK_IN_GEMM:
+        buf, plan = plan_in_launch(case.x, A, case.meta, rank_dev)
+        return dl.ExpandEpilogue(buf, B, case.mapping.token_slots, shrink=plan)
+    buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
+    return dl.ExpandEpilogue(buf, B, case.mapping.token_slots, pdl=ops_pdl(case.x.device))
+
+
 def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
     """(unfused µs, fused µs) per LoRA'd op, 8 adapters mixed."""
     rank_dev = ops.ranks_tensor(case.ranks)
@@ -131,9 +141,7 @@ def bench_lora(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) -> 
 
     def fused():  # the engine's path (TritonLoRAOps.linear_with_lora), with these tiles
         for w, A, B in zip(case.ws, case.As, case.Bs):
-            buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
-            epi = dl.ExpandEpilogue(buf, B, case.mapping.token_slots, pdl=ops_pdl(case.x.device))
-            dl.decode_linear(case.x, w, lora=epi, tiles=tiles)
+            dl.decode_linear(case.x, w, lora=fused_epilogue(case, ops, A, B, rank_dev, R), tiles=tiles)
 
     return graph_us(unfused, len(case.ws)), graph_us(fused, len(case.ws))
 
@@ -169,6 +177,12 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "32 columns per MMA": ("the epilogue's MMAs over 2 slots (4 chunks): 168 registers, 3 programs per SM",
                            {"epi_cols": 32}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
+    "shrink in the GEMM launch": ("the shrink as the GEMM launch's first 64 programs; the GEMM a chain link",
+                                  {"in_gemm": True}),
+    "shrink in the GEMM launch, 32 programs": ("the same with 32 shrink programs", {"in_gemm": True, "in_programs": 32}),
+    "shrink in the GEMM launch, 128 programs": ("the same with 128", {"in_gemm": True, "in_programs": 128}),
+    "shrink in the GEMM launch, bf16 LoRA": ("64 programs, A and B in bf16",
+                                             {"in_gemm": True, "lora_dtype": torch.bfloat16}),
     "no PDL": ("two ordinary launches", {"pdl": False}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
     # {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)} (session 6); the delta in a launch
@@ -179,7 +193,7 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
 PARTS = ("default",)  # configs whose cost is also split into shrink and epilogue
 
 
-def matrix(layers: int) -> list[dict]:
+def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
     """LoRA cost per Llama-8B op at 32 tokens (8 adapters mixed; fp32 unless a knob says bf16), unfused and
     fused, per knob of MATRIX."""
     from loraserve.lora.ops.triton import lora_expand as expand_mod
@@ -201,8 +215,11 @@ def matrix(layers: int) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, triton_ops.SHRINK_IN_GEMM,
+             shrink_mod.IN_LAUNCH_PROGRAMS)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
+        if only and cfg not in only:
+            continue
         if knobs.get("pdl") is False:
             shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = lambda device: False
             knobs = {**knobs, "chain": False}
@@ -210,6 +227,8 @@ def matrix(layers: int) -> list[dict]:
         shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
         triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
+        triton_ops.SHRINK_IN_GEMM = knobs.get("in_gemm", saved[7])
+        shrink_mod.IN_LAUNCH_PROGRAMS = knobs.get("in_programs", saved[8])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -230,7 +249,7 @@ def matrix(layers: int) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN,
-         expand_block.MMA_COLUMNS) = saved[3:7]  # fmt: skip
+         expand_block.MMA_COLUMNS, triton_ops.SHRINK_IN_GEMM, shrink_mod.IN_LAUNCH_PROGRAMS) = saved[3:9]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])
@@ -249,8 +268,7 @@ def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
     R = A[0].shape[2]
     ref = F.linear(case.x, w)
     ops.add_lora_linear(ref, case.x, A, B, case.ranks, case.meta)
-    buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
-    y = dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, case.mapping.token_slots), tiles=tiles)
+    y = dl.decode_linear(case.x, w, lora=fused_epilogue(case, ops, A, B, rank_dev, R), tiles=tiles)
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
@@ -327,6 +345,7 @@ def main() -> None:
     ap.add_argument("--tiles-out", default=None, help="write the sweep's best tiles per (N, K) (for bench_e2e --decode-tiles)")
     ap.add_argument("--tables", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--matrix", action="store_true", help="only the LoRA cost per op under each knob of MATRIX")
+    ap.add_argument("--rows", default=None, help="--matrix: only these rows of MATRIX (comma-separated names)")
     ap.add_argument("--lora-tune", action="store_true", help="only the fused LoRA op's time per tile config")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -337,7 +356,7 @@ def main() -> None:
     if args.matrix:
         print("| knob | op | cuBLAS µs | unfused µs | LoRA cost | decode_linear µs | fused µs | LoRA cost | fused rel err |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-        result = {"copy_bw": bw, "matrix": matrix(args.layers)}
+        result = {"copy_bw": bw, "matrix": matrix(args.layers, args.rows.split(",") if args.rows else None)}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

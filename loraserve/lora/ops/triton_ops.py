@@ -16,9 +16,16 @@ import torch
 
 from loraserve.layers import triton_decode_linear as decode
 from loraserve.lora.ops.triton.lora_expand import lora_expand
-from loraserve.lora.ops.triton.lora_shrink import lora_shrink
+from loraserve.lora.ops.triton.lora_shrink import lora_shrink, plan_in_launch
 from loraserve.lora.ops.triton.utils import use_pdl
 from loraserve.lora.punica import SegmentMeta
+
+# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_SHRINK_IN_GEMM=1 sets it): the
+# decode shrink runs as the first programs of decode_linear's own launch instead of a launch before it,
+# so the GEMM is a link of the PDL chain like the base GEMM (launched while the kernel before it runs)
+# and its epilogue spins until the shrink's programs are done (lora_shrink.plan_in_launch). Off by
+# default: not yet timed (session 9).
+SHRINK_IN_GEMM = os.environ.get("LORASERVE_SHRINK_IN_GEMM", "0") == "1"
 
 
 class TritonLoRAOps:
@@ -98,6 +105,10 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
+        if SHRINK_IN_GEMM and meta.max_seg_len <= 32:
+            buf, plan = plan_in_launch(x, lora_a_stacked, meta, rank_dev)
+            epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, shrink=plan)
+            return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
         # zero_fill: the epilogue loads no rank, so every column of a LoRA token's row must be written
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
         # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no
