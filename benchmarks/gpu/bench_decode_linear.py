@@ -345,7 +345,7 @@ def main() -> None:
     ap.add_argument("--tiles-out", default=None, help="write the sweep's best tiles per (N, K) (for bench_e2e --decode-tiles)")
     ap.add_argument("--tables", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--matrix", action="store_true", help="only the LoRA cost per op under each knob of MATRIX")
-    ap.add_argument("--rows", default=None, help="--matrix: only these rows of MATRIX (comma-separated names)")
+    ap.add_argument("--rows", default=None, help="--matrix: only these rows of MATRIX (names separated by ';')")
     ap.add_argument("--lora-tune", action="store_true", help="only the fused LoRA op's time per tile config")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -356,7 +356,7 @@ def main() -> None:
     if args.matrix:
         print("| knob | op | cuBLAS µs | unfused µs | LoRA cost | decode_linear µs | fused µs | LoRA cost | fused rel err |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-        result = {"copy_bw": bw, "matrix": matrix(args.layers, args.rows.split(",") if args.rows else None)}
+        result = {"copy_bw": bw, "matrix": matrix(args.layers, args.rows.split(";") if args.rows else None)}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

@@ -40,6 +40,12 @@ adapters; LoRA cost per layer from ``--matrix``, 8-adapter step from bench_e2e, 
   first program (commit a392f5b): 5.71 vs 5.56 ms (not profiled; its spinning programs hold SMs while
   the shrink runs).
 
+The shrink as this launch's first programs (``ExpandEpilogue.shrink``, triton_ops.SHRINK_IN_GEMM, off):
+the GEMM is then a plain link of the PDL chain, launched while the kernel before it runs, and its
+epilogue spins until the shrink's programs have counted themselves done. Measured slower in session 9
+(33.7 vs 24.9 µs of LoRA cost per layer, 1.23x vs 1.16x the base step; only gate_up, whose K loop is
+long, gained: 8.4 vs 9.2 µs). Kept as a knob: more shrink programs for the short GEMMs are untried.
+
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
 columns; with ``split_k`` > 1 several programs share one over slices of K, and the last to finish
