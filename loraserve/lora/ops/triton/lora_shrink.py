@@ -19,6 +19,12 @@ the plane loads are latency nobody hides; here they are one program's tail per g
 
 At decode sizes each program's K range is a single block: its tile of A (weights, written before
 the forward) is loaded before the PDL wait, overlapping the previous kernel's tail; x is read after.
+Prefill (segments longer than 32 tokens) takes ``PREFILL``'s tiles, where by default a program owns
+every slice of its tile and loads each tile of x once for all of them.
+
+A program's work is ``shrink_program``: this kernel's own launch runs it over its 3-D grid, and
+``decode_linear`` can run it as the first programs of its own launch (``plan_in_launch``; off by
+default, see triton_ops.SHRINK_IN_GEMM).
 """
 
 from __future__ import annotations
