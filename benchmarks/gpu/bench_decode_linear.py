@@ -172,9 +172,9 @@ def ops_pdl(device) -> bool:
 MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a time against the default
     "default": ("a lora_shrink launch that sums its splits, then the GEMM with the expand in its epilogue (PDL)", {}),
     "no PDL chain": ("the kernel before the shrink (here the GEMM) lets it launch only when it ends", {"chain": False}),
-    "64 columns per MMA": ("the epilogue's MMAs over 4 slots of rank 16 (2 chunks): 204 registers, no spill",
+    "64 columns per MMA": ("the epilogue's MMAs over 4 slots of rank 16 (2 chunks): fewer registers",
                            {"epi_cols": 64}),
-    "32 columns per MMA": ("the epilogue's MMAs over 2 slots (4 chunks): 168 registers, 3 programs per SM",
+    "32 columns per MMA": ("the epilogue's MMAs over 2 slots (4 chunks): fewer still",
                            {"epi_cols": 32}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
     "shrink in the GEMM launch": ("the shrink as the GEMM launch's first 64 programs; the GEMM a chain link",

@@ -27,6 +27,14 @@ SM_REGS, SM_SMEM, RESERVED = 65536, 228 * 1024, 1024
 OPS = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,))]
 
 
+# NOTE: the integer arguments that are multiples of 16 at these shapes: a launch specializes them (sizes
+# are not do_not_specialize), and the compiler then vectorizes the loads they address. Compiled without
+# these hints (session 8's table) the kernel is not the one that runs.
+SIXTEENS = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", "N0", "N1", "stride_bsp", "stride_bi",
+            "stride_bm", "stride_ws0", "stride_ws1", "stride_ws2", "sh_T", "sh_k_per_split", "sh_stride_as",
+            "sh_stride_ar"}  # fmt: skip
+
+
 def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0,
                in_launch: bool = False):  # fmt: skip
     """The kernel as decode_linear launches it for 32 tokens with the default tiles (bf16 x and W;
@@ -52,15 +60,18 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
         SH_REDUCE=in_launch, SH_CDT=wdt, SH_IEEE=False,
     )  # fmt: skip
     fn = dl._decode_linear_kernel
-    sig, const = {}, {}
+    sig, const, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:
             sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # as a launch specializes 16-byte aligned tensors
         elif fn.params[i].is_constexpr:
             sig[name], const[name] = "constexpr", consts[name]
         else:
             sig[name] = "i32"
-    src = ASTSource(fn, sig, const)
+            if name in SIXTEENS:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, const, attrs)
     options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if maxnreg:
         options["maxnreg"] = maxnreg

@@ -103,10 +103,11 @@ class ExpandEpilogue:
     shrink: InLaunchShrink | None = None  # the shrink runs as this launch's first programs (then pdl is False)
 
 
-# NOTE: the LoRA variant compiled for sm_90 takes 255 registers (and spills) where the base GEMM takes
-# 168, so 2 programs fit an SM instead of 3 (benchmarks/gpu/kernel_resources.py). Capped at 168 with the
-# maxnreg launch option it fits 3 but spills more: timed on the H200 (session 9, 8 fp32 slots), the
-# LoRA cost per layer was 25.4 vs 25.0 µs, so the cap was removed.
+# NOTE: a register cap on the LoRA variant (the maxnreg launch option, 168) was timed on the H200 (session
+# 9, 8 fp32 slots): 25.4 vs 25.0 µs of LoRA cost per layer, and removed. It was suggested by a compile
+# without the launch's specialization (255 registers and spills); compiled as launched the variant takes
+# 157-166 registers without spills, and shared memory, not registers, bounds its programs per SM
+# (benchmarks/gpu/kernel_resources.py).
 
 
 def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:

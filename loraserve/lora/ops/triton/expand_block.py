@@ -62,8 +62,8 @@ def lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R: tl.constexpr, BLOCK_N: t
     """(BLOCK_N, C) B of slots chunk .. chunk + SLOTS_PER_CHUNK for this block's columns: column c is
     slot chunk + c // BLOCK_R, rank index c % BLOCK_R.
 
-    NOTE: loading it through a 3-D block pointer (slots, rows, ranks), which compiled for sm_90 without
-    the spill of this tile of 64-bit addresses, measured the same (H200, session 9: 24.7 vs 25.0 µs of
+    NOTE: loading it through a 3-D block pointer (slots, rows, ranks), which spares a tile of 64-bit
+    addresses, measured the same (H200, session 9: 24.7 vs 25.0 µs of
     LoRA cost per layer, fp32 B; 33.2 capped at 168 registers) and was removed."""
     offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
     c_r = offs_c % BLOCK_R
@@ -136,10 +136,11 @@ def block_delta(
 
 # Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_EPILOGUE_COLUMNS sets it): the
 # most columns of (slot, r) per MMA of the epilogue. Fewer columns, more chunks (a round trip each), but
-# fewer registers: compiled for sm_90 (benchmarks/gpu/kernel_resources.py), decode_linear's LoRA variant
-# takes 255 registers and spills at 128 columns, 204 at 64, and 168 at 32, as the base GEMM does (3
-# programs per SM instead of 2). Timed on the H200 (session 9, 8 fp32 slots, LoRA cost per layer): 25.0
-# µs at 128, 24.3 at 64, 31.9 at 32 (the 8-adapter step 5.76 vs 5.55 ms): registers are not what costs.
+# fewer registers: compiled for sm_90 as a launch specializes it (benchmarks/gpu/kernel_resources.py),
+# decode_linear's LoRA variant takes 157-166 registers at 128 columns (fp32 B), 112-124 at 64, 80-94 at
+# 32, none spilled; its pipeline's shared memory (96-120 KB) is what limits the programs per SM, with
+# or without LoRA. Timed on the H200 (session 9, 8 fp32 slots, LoRA cost per layer): 25.0 µs at 128,
+# 24.3 at 64, 31.9 at 32 (the 8-adapter step 5.76 vs 5.55 ms).
 MMA_COLUMNS = int(os.environ.get("LORASERVE_EPILOGUE_COLUMNS", "128"))
 
 
