@@ -44,7 +44,9 @@ The shrink as this launch's first programs (``ExpandEpilogue.shrink``, triton_op
 the GEMM is then a plain link of the PDL chain, launched while the kernel before it runs, and its
 epilogue spins until the shrink's programs have counted themselves done. Measured slower in session 9
 (33.7 vs 24.9 µs of LoRA cost per layer, 1.23x vs 1.16x the base step; only gate_up, whose K loop is
-long, gained: 8.4 vs 9.2 µs). Kept as a knob: more shrink programs for the short GEMMs are untried.
+long, gained: 8.4 vs 9.2 µs): each shrink program holds this kernel's shared memory (120 KB, a whole
+SM; benchmarks/gpu/kernel_resources.py), so the short GEMMs' programs spill into a second wave. Kept
+as a knob for gate_up-like GEMMs, untried alone.
 
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
