@@ -184,6 +184,11 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "shrink in the GEMM launch, bf16 LoRA": ("64 programs, A and B in bf16",
                                              {"in_gemm": True, "lora_dtype": torch.bfloat16}),
     "no PDL": ("two ordinary launches", {"pdl": False}),
+    "LoRA GEMM 4 stages": ("the GEMM under the epilogue pipelines 4 K steps (96 KB of shared memory, not 120)",
+                           {"lora_stages": 4}),
+    "LoRA GEMM 3 stages": ("3 K steps (72 KB)", {"lora_stages": 3}),
+    "shrink K blocks 128": ("the decode shrink's programs take K blocks of 128 (256 past 8192): half the shared "
+                            "memory, twice the programs", {"block_k": (128, 256)}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
     # {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)} (session 6); the delta in a launch
     # of its own after the GEMM (session 7, commit bfb8465); the delta as more K columns of the GEMM (2fab3e5),
@@ -216,7 +221,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
              triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, triton_ops.SHRINK_IN_GEMM,
-             shrink_mod.IN_LAUNCH_PROGRAMS)  # fmt: skip
+             shrink_mod.IN_LAUNCH_PROGRAMS, triton_ops.LORA_GEMM_STAGES)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -229,12 +234,13 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
         triton_ops.SHRINK_IN_GEMM = knobs.get("in_gemm", saved[7])
         shrink_mod.IN_LAUNCH_PROGRAMS = knobs.get("in_programs", saved[8])
+        triton_ops.LORA_GEMM_STAGES = knobs.get("lora_stages", saved[9])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
         for name, K, slices in SHAPES["llama-8b"][:4]:
             lc = Case(K, slices, 32, layers, lora_dtype=knobs.get("lora_dtype", torch.float32))
-            tiles = dl.default_tiles(32, lc.N, K, torch.bfloat16)
+            tiles = triton_ops.lora_tiles(dl.default_tiles(32, lc.N, K, torch.bfloat16))
             t_unf, t_fus = bench_lora(lc, ops, tiles)
             err = check(lc, ops, tiles)
             t_cublas, t_ours = base[name]
@@ -249,7 +255,8 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN,
-         expand_block.MMA_COLUMNS, triton_ops.SHRINK_IN_GEMM, shrink_mod.IN_LAUNCH_PROGRAMS) = saved[3:9]  # fmt: skip
+         expand_block.MMA_COLUMNS, triton_ops.SHRINK_IN_GEMM, shrink_mod.IN_LAUNCH_PROGRAMS,
+         triton_ops.LORA_GEMM_STAGES) = saved[3:10]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

@@ -10,6 +10,7 @@ alone); it was dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -30,6 +31,19 @@ from loraserve.lora.punica import SegmentMeta
 # (kernel_resources.py) each shrink program holds the GEMM kernel's 120 KB of shared memory, a whole SM,
 # so the short GEMMs' programs no longer fit in one wave. Correct on the GPU (96 tests with it on).
 SHRINK_IN_GEMM = os.environ.get("LORASERVE_SHRINK_IN_GEMM", "0") == "1"
+
+
+# Knob (a module attribute: --matrix sweeps it; LORASERVE_LORA_GEMM_STAGES sets it; 0: the tiles' own): the
+# pipeline stages of a GEMM that carries the LoRA epilogue. Offline (kernel_resources.py, sm_90), the decode
+# GEMM's 5 stages take 120 KB of shared memory and the decode shrink's programs 24-64 KB each: on an SM
+# still holding two of down's fp32 shrink programs (2 x 64 KB) a GEMM program does not fit until one
+# retires. Fewer stages (96 KB at 4, 72 at 3) let it start beside them. Not yet timed (session 9).
+LORA_GEMM_STAGES = int(os.environ.get("LORASERVE_LORA_GEMM_STAGES", "0"))
+
+
+def lora_tiles(tiles: decode.DecodeTiles) -> decode.DecodeTiles:
+    """The tiles of a GEMM with the LoRA epilogue: the base GEMM's, with LORA_GEMM_STAGES if set."""
+    return dataclasses.replace(tiles, num_stages=LORA_GEMM_STAGES) if LORA_GEMM_STAGES else tiles
 
 
 class TritonLoRAOps:
@@ -109,6 +123,7 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
+        tiles = lora_tiles(tiles)
         if SHRINK_IN_GEMM and meta.max_seg_len <= 32:
             buf, plan = plan_in_launch(x, lora_a_stacked, meta, rank_dev)
             epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, shrink=plan)
