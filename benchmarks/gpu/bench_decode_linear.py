@@ -187,6 +187,8 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "LoRA GEMM 4 stages": ("the GEMM under the epilogue pipelines 4 K steps (96 KB of shared memory, not 120)",
                            {"lora_stages": 4}),
     "LoRA GEMM 3 stages": ("3 K steps (72 KB)", {"lora_stages": 3}),
+    "shrink in the GEMM launch, 3 stages": ("64 shrink programs in a launch of 72 KB programs (3 a SM)",
+                                            {"in_gemm": True, "lora_stages": 3}),
     "shrink K blocks 128": ("the decode shrink's programs take K blocks of 128 (256 past 8192): half the shared "
                             "memory, twice the programs", {"block_k": (128, 256)}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
