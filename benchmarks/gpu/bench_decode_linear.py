@@ -177,7 +177,7 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "32 columns per MMA": ("the epilogue's MMAs over 2 slots (4 chunks): fewer still",
                            {"epi_cols": 32}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
-    "shrink in the GEMM launch": ("the shrink as the GEMM launch's first 64 programs; the GEMM a chain link",
+    "shrink in the GEMM launch": ("the shrink as the GEMM launch's first ~64 programs; the GEMM a chain link",
                                   {"in_gemm": True}),
     "shrink in the GEMM launch, 32 programs": ("the same with 32 shrink programs", {"in_gemm": True, "in_programs": 32}),
     "shrink in the GEMM launch, 128 programs": ("the same with 128", {"in_gemm": True, "in_programs": 128}),

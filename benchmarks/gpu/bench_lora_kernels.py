@@ -243,9 +243,9 @@ PREFILL_CASES = [c for c in LORA_CASES if c[1] > 256]  # the 4096-token (prefill
 def tune_prefill(bw: float) -> dict:
     """Sweeps the shrink's and the expand's prefill tiles (``lora_shrink.PREFILL``,
     ``lora_expand.PREFILL``) at 4096 tokens, each kernel timed alone (graph replay, L2 flushed), checked
-    against the default tiles' result; then times the whole ``add_lora_linear`` with the fastest of
-    each against the default tiles, in this run. Leaves the fastest in place (so a table that follows
-    measures them) and returns them."""
+    against the default tiles' result; prints the fastest per case and the tiles with the least time
+    summed over the cases. Leaves those in place (so a table that follows measures them) and returns
+    them."""
     import dataclasses
     import itertools
 
@@ -260,7 +260,7 @@ def tune_prefill(bw: float) -> dict:
             block_m=bm, block_k=bk, programs=p, num_warps=w, num_stages=st, fuse_slices=True
         )
         for bm, bk, p, w, st in itertools.product((64, 128), (64, 128, 256), (256, 512), (4, 8), (3,))
-        if bm * bk <= 16384  # 128 x 256 overflows shared memory (270 KB of 227, session 9)
+        if bm * bk <= 16384  # 128 x 256 overflows shared memory (264 KiB of 227, session 9)
     ] + [
         shrink_mod.PrefillTiles(
             block_m=64, block_k=64, programs=256, num_warps=4, num_stages=4, fuse_slices=True

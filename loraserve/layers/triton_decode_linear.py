@@ -236,7 +236,7 @@ def _epilogue(
 
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
 # of 16 and vectorizes the loads; only M (the token count) is a runtime value.
-@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
+@triton.jit(do_not_specialize=["M", "S", "SPLIT_K", "sh_T", "sh_S", "SH_SPLIT", "SH_G0", "SH_G1", "N_SHRINK"])
 def _decode_linear_kernel(
     x_ptr,
     w_ptr,
@@ -274,7 +274,7 @@ def _decode_linear_kernel(
     sh_cnt,
     sh_meta,
     sh_rank,
-    done_ptr,  # int32 (2,): shrink programs done, column blocks past their wait; zero between launches
+    done_ptr,  # int32 (3,): shrink programs done, column blocks past their wait, tickets; zero between launches
     sh_T,
     sh_S,
     sh_k_per_split,
@@ -318,8 +318,13 @@ def _decode_linear_kernel(
     if PDL_CHAIN:
         pdl_link(WAIT_FIRST)
     if SHRINK:
-        # NOTE: the shrink's programs come first in the grid, so they are dispatched before any GEMM
-        # program that will spin on them (and there are fewer of them than SMs)
+        # NOTE: roles by arrival, not by program id: the first N_SHRINK programs to start run the shrink,
+        # so a GEMM program spinning on them never waits for one that has not started (CUDA does not
+        # promise to start programs in id order). Taken after the PDL wait (the kernel before us has
+        # finished, so this launch's counter is back at zero); the last ticket puts it back to zero.
+        pid = tl.atomic_add(done_ptr + 2, 1, sem="relaxed", scope="gpu")
+        if pid == tl.num_programs(0) - 1:
+            tl.atomic_xchg(done_ptr + 2, 0, sem="relaxed", scope="gpu")
         if pid < N_SHRINK:
             shrink_program(
                 pid % SH_G0, (pid // SH_G0) % SH_G1, pid // (SH_G0 * SH_G1), SH_G1,
@@ -482,7 +487,7 @@ def decode_linear(
             assert not pdl, "the in-launch shrink replaces the shrink's own launch"
             a0 = sh.lora_a[0]
             n_shrink = sh.programs
-            done = persistent_buffer(x.device, "decode_linear/shrink_done", 2)
+            done = persistent_buffer(x.device, "decode_linear/shrink_done", 3)
             shrink_args = (
                 *sh.lora_a, sh.cnt, sh.meta.packed, sh.ranks, done, M, sh.meta.num_segs, sh.k_per_split,
                 a0.stride(0), a0.stride(2), sh.n_rblocks, sh.split, sh.g0, sh.g1, n_shrink,

@@ -25,7 +25,7 @@ from loraserve.lora.punica import SegmentMeta
 # decode shrink runs as the first programs of decode_linear's own launch instead of a launch before it,
 # so the GEMM is a link of the PDL chain like the base GEMM (launched while the kernel before it runs)
 # and its epilogue spins until the shrink's programs are done (lora_shrink.plan_in_launch). Off: slower
-# (H200, session 9, Llama-8B shapes, 32 tokens, 8 fp32 adapters, 64 shrink programs; LoRA cost per
+# (H200, session 9, Llama-8B shapes, 32 tokens, 8 fp32 adapters, 48-64 shrink programs; LoRA cost per
 # layer 33.7 vs 24.9 µs: qkv 9.7 vs 5.0, o 6.2 vs 4.4, down 9.4 vs 6.2, only gate_up 8.4 vs 9.2; the
 # 8-adapter step 5.89 vs 4.80 ms base, 1.23x, where the default measured 1.16x). Offline
 # (kernel_resources.py) each shrink program holds the GEMM kernel's 120 KB of shared memory, a whole SM,

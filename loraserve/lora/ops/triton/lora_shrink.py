@@ -476,8 +476,9 @@ def plan_in_launch(
 ) -> tuple[torch.Tensor, InLaunchShrink]:
     """(buf, plan) for ``decode_linear``'s in-launch shrink at decode sizes (segments of <= 32 tokens):
     every column of a LoRA token's row written (zero_fill), the splits summed into plane 0. K is split
-    so that the grid has about IN_LAUNCH_PROGRAMS programs: few, since each holds a slot of the GEMM's
-    (registers, shared memory) while the GEMM's own programs stream W beside it."""
+    so that the grid has at most about IN_LAUNCH_PROGRAMS programs (more only when the groups alone
+    exceed it): few, since each holds a slot of the GEMM's (registers, shared memory) while the GEMM's
+    own programs stream W beside it."""
     n = len(lora_a)
     T, K = x.shape
     a0 = lora_a[0]
