@@ -261,11 +261,16 @@ PREFILL_TILES = [  # (shrink, expand) tiles the prefill sweep (bench_lora_kernel
 @pytest.mark.parametrize("tiles", PREFILL_TILES, ids=lambda t: f"shrink{t[0]}-expand{t[1]}")
 @pytest.mark.parametrize(
     "case",
-    [CASES[5], (260, 3, 16, 896, (896, 128, 128), torch.float16, torch.float32, torch.float16)],
+    [
+        CASES[5],
+        (260, 3, 16, 896, (896, 128, 128), torch.float16, torch.float32, torch.float16),
+        (200, 2, 16, 512, (384,), torch.float32, torch.float32, torch.float32),  # one slice: PREFILL_ONE_SLICE
+    ],
     ids=lambda c: f"T{c[0]}-{c[5]}",
 )
 def test_prefill_tiles_match_reference(tiles, case, monkeypatch):
-    """Segments longer than 32 tokens take the PREFILL tiles: every candidate gives the reference's delta."""
+    """Segments longer than 32 tokens take the PREFILL tiles: every candidate gives the reference's delta
+    (a one-slice layer takes PREFILL_ONE_SLICE whatever PREFILL is)."""
     from loraserve.lora.ops.triton import lora_expand as expand_mod
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 

@@ -338,29 +338,40 @@ class PrefillTiles:
 
 
 PREFILL = PrefillTiles()
+# One-slice layers (o, down) at prefill: the tiles before session 9's sweep, which timed only the 2-3
+# slice layers (there one slice a program was best at these tiles, of 32 one-slice candidates)
+PREFILL_ONE_SLICE = PrefillTiles(
+    block_m=64, block_k=64, programs=512, num_warps=4, num_stages=3, fuse_slices=False
+)
 
 
-def _pick_blocks(meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int) -> tuple[int, int, int]:
+def _prefill_tiles(n_slices: int) -> PrefillTiles:
+    return PREFILL if n_slices > 1 else PREFILL_ONE_SLICE
+
+
+def _pick_blocks(
+    meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int, tiles: PrefillTiles
+) -> tuple[int, int, int]:
     # (n_slices: the slices on the grid, 1 when a program computes them all)
     """(BLOCK_M, BLOCK_K, SPLIT_K): enough programs to fill the chip at decode sizes.
 
     Decode sizes (segments of <= 32 tokens): one K block of 256 (512 past K = 8192) per program
     (ONE_CHUNK): 128-450 programs for Llama-8B's layers with 8 adapters. Larger segments
-    (``PREFILL``): ``block_k`` K a step, K split until ``programs`` programs (at most 4 steps a split
+    (``tiles``): ``block_k`` K a step, K split until ``programs`` programs (at most 4 steps a split
     is left alone).
     """
     longest = meta.max_seg_len
-    block_m = 16 if longest <= 16 else (32 if longest <= 32 else PREFILL.block_m)
+    block_m = 16 if longest <= 16 else (32 if longest <= 32 else tiles.block_m)
     groups = n_slices * n_rblocks * triton.cdiv(longest, block_m) * meta.num_segs
     if longest <= 32:
         # NOTE: from K alone, not from how many adapters the batch has: eager steps and CUDA graphs
         # (whose static meta has a segment per slot) then split alike and sum the same partials
         block_k = DECODE_BLOCK_K[0] if K <= 8192 else DECODE_BLOCK_K[1]
         return block_m, block_k, triton.cdiv(K, block_k)
-    block_k = PREFILL.block_k
+    block_k = tiles.block_k
     split = 1
     max_split = max(1, K // (4 * block_k))
-    while groups * split < PREFILL.programs and split < max_split:
+    while groups * split < tiles.programs and split < max_split:
         split *= 2
     return block_m, block_k, split
 
@@ -411,8 +422,9 @@ def lora_shrink(
     assert max_rank <= R
     # zero_fill: the rank axis covers all R columns, not max_rank (programs past a slot's rank store zeros)
     n_rblocks = triton.cdiv(R if zero_fill else max(max_rank, 1), block_r)
-    fuse = meta.max_seg_len > 32 and PREFILL.fuse_slices and n > 1
-    block_m, block_k, split = _pick_blocks(meta, 1 if fuse else n, n_rblocks, K)
+    tiles = _prefill_tiles(n)
+    fuse = meta.max_seg_len > 32 and tiles.fuse_slices and n > 1
+    block_m, block_k, split = _pick_blocks(meta, 1 if fuse else n, n_rblocks, K, tiles)
     buf = _new_buf((split, n, T, R), x.device)
     if meta.num_segs == 0 or T == 0:
         return buf[:1]  # nothing is read
@@ -427,9 +439,7 @@ def lora_shrink(
         cnt = persistent_buffer(x.device, "lora_shrink/arrivals", n * n_rblocks * grid[1] * grid[2])
     pdl = use_pdl(x.device)
     prefill = meta.max_seg_len > 32
-    launch = (
-        dict(num_warps=PREFILL.num_warps, num_stages=PREFILL.num_stages) if prefill else dict(num_warps=4)
-    )
+    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages) if prefill else dict(num_warps=4)
     _lora_shrink_kernel[grid](
         x, a0, a1, a2, buf, cnt, meta.packed, ranks,
         T, meta.num_segs, K, k_per_split,
