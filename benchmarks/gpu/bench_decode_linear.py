@@ -28,7 +28,7 @@ from loraserve.layers import triton_decode_linear as dl
 from loraserve.lora.ops import triton_ops
 from loraserve.lora.ops.triton import expand_block
 from loraserve.lora.ops.triton import utils as triton_utils
-from loraserve.lora.ops.triton.lora_shrink import lora_shrink, plan_in_launch
+from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton_ops import TritonLoRAOps
 from loraserve.lora.punica import LoRAMapping
 
@@ -120,11 +120,7 @@ def bench_base(case: Case, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
 
 
 def fused_epilogue(case: Case, ops: TritonLoRAOps, A, B, rank_dev, R) -> dl.ExpandEpilogue:
-    """The LoRA epilogue as linear_with_lora builds it: the shrink launched first (PDL), or in the GEMM's
-    own launch (triton_ops.SHRINK_IN_GEMM)."""
-    if triton_ops.SHRINK_IN_GEMM:
-        buf, plan = plan_in_launch(case.x, A, case.meta, rank_dev)
-        return dl.ExpandEpilogue(buf, B, case.mapping.token_slots, shrink=plan)
+    """The LoRA epilogue as linear_with_lora builds it: the shrink launched first (PDL)."""
     buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
     return dl.ExpandEpilogue(buf, B, case.mapping.token_slots, pdl=ops_pdl(case.x.device))
 
@@ -177,25 +173,18 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "32 columns per MMA": ("the epilogue's MMAs over 2 slots (4 chunks): fewer still",
                            {"epi_cols": 32}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
-    "shrink in the GEMM launch": ("the shrink as the GEMM launch's first ~64 programs; the GEMM a chain link",
-                                  {"in_gemm": True}),
-    "shrink in the GEMM launch, 32 programs": ("the same with 32 shrink programs", {"in_gemm": True, "in_programs": 32}),
-    "shrink in the GEMM launch, 128 programs": ("the same with 128", {"in_gemm": True, "in_programs": 128}),
-    "shrink in the GEMM launch, bf16 LoRA": ("64 programs, A and B in bf16",
-                                             {"in_gemm": True, "lora_dtype": torch.bfloat16}),
     "no PDL": ("two ordinary launches", {"pdl": False}),
     "LoRA GEMM 4 stages": ("the GEMM under the epilogue pipelines 4 K steps (96 KB of shared memory, not 120)",
                            {"lora_stages": 4}),
     "LoRA GEMM 3 stages": ("3 K steps (72 KB)", {"lora_stages": 3}),
-    "shrink in the GEMM launch, 3 stages": ("64 shrink programs in a launch of 72 KB programs (3 a SM)",
-                                            {"in_gemm": True, "lora_stages": 3}),
     "shrink K blocks 128": ("the decode shrink's programs take K blocks of 128 (256 past 8192): half the shared "
                             "memory, twice the programs", {"block_k": (128, 256)}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
     # {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)} (session 6); the delta in a launch
     # of its own after the GEMM (session 7, commit bfb8465); the delta as more K columns of the GEMM (2fab3e5),
     # B pulled into L2 before the K loop (cf605f9), an x-ready flag instead of the shrink's trigger (a392f5b;
-    # session 8); the LoRA variant capped at 168 registers, B through a 3-D block pointer, both (session 9)
+    # session 8); the LoRA variant capped at 168 registers, B through a 3-D block pointer, both, the shrink as
+    # the GEMM launch's first programs (8047943; session 9)
 }
 PARTS = ("default",)  # configs whose cost is also split into shrink and epilogue
 
@@ -222,8 +211,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, triton_ops.SHRINK_IN_GEMM,
-             shrink_mod.IN_LAUNCH_PROGRAMS, triton_ops.LORA_GEMM_STAGES)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, triton_ops.LORA_GEMM_STAGES)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -234,9 +222,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
         triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
-        triton_ops.SHRINK_IN_GEMM = knobs.get("in_gemm", saved[7])
-        shrink_mod.IN_LAUNCH_PROGRAMS = knobs.get("in_programs", saved[8])
-        triton_ops.LORA_GEMM_STAGES = knobs.get("lora_stages", saved[9])
+        triton_ops.LORA_GEMM_STAGES = knobs.get("lora_stages", saved[7])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -257,8 +243,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN,
-         expand_block.MMA_COLUMNS, triton_ops.SHRINK_IN_GEMM, shrink_mod.IN_LAUNCH_PROGRAMS,
-         triton_ops.LORA_GEMM_STAGES) = saved[3:10]  # fmt: skip
+         expand_block.MMA_COLUMNS, triton_ops.LORA_GEMM_STAGES) = saved[3:8]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

@@ -31,33 +31,26 @@ OPS = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate_up", 4096
 # are not do_not_specialize), and the compiler then vectorizes the loads they address. Compiled without
 # these hints (session 8's table) the kernel is not the one that runs.
 SIXTEENS = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", "N0", "N1", "stride_bsp", "stride_bi",
-            "stride_bm", "stride_ws0", "stride_ws1", "stride_ws2", "sh_T", "sh_k_per_split", "sh_stride_as",
-            "sh_stride_ar"}  # fmt: skip
+            "stride_bm", "stride_ws0", "stride_ws1", "stride_ws2"}  # fmt: skip
 
 
-def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0,
-               in_launch: bool = False):  # fmt: skip
+def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0):
     """The kernel as decode_linear launches it for 32 tokens with the default tiles (bf16 x and W;
     8 slots of rank 16 when lora_dtype is "fp32" or "bf16"; ``maxnreg``: a register cap, the launch
-    option, which session 9 timed and dropped; ``in_launch``: the shrink as the launch's first programs,
-    triton_ops.SHRINK_IN_GEMM)."""
+    option, which session 9 timed and dropped)."""
     N = sum(slices)
     tiles = dl.default_tiles(32, N, K, None)
     lora = lora_dtype is not None
     b = "*bf16" if lora_dtype == "bf16" else "*fp32"
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
-            "cnt_ptr": "*i32", "buf_ptr": "*fp32", "b0_ptr": b, "b1_ptr": b, "b2_ptr": b, "slots_ptr": "*i32",
-            "sh_a0": b, "sh_a1": b, "sh_a2": b, "sh_cnt": "*i32", "sh_meta": "*i32", "sh_rank": "*i32",
-            "done_ptr": "*i32"}  # fmt: skip
+            "cnt_ptr": "*i32", "buf_ptr": "*fp32", "b0_ptr": b, "b1_ptr": b, "b2_ptr": b, "slots_ptr": "*i32"}  # fmt: skip
     wdt = tl.bfloat16 if lora_dtype == "bf16" else tl.float32
     consts = dict(
         R=16, HAS_BIAS=False, HAS_LORA=lora, NUM_SLICES=len(slices) if lora else 1, BLOCK_M=32,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_R=16, SLOTS_PER_CHUNK=max(1, min(8, columns // 16)),
         RED=1, SPLIT_W=tiles.split_k, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
-        CDT=tl.bfloat16, IEEE=False, LORA_WDT=wdt, LORA_CDT=wdt, LORA_IEEE=False, USE_PDL=lora and not in_launch,
-        PDL_CHAIN=True,
-        WAIT_FIRST=not lora or in_launch, SHRINK=in_launch, SH_BLOCK_M=32, SH_BLOCK_K=128, SH_RED=4,
-        SH_REDUCE=in_launch, SH_CDT=wdt, SH_IEEE=False,
+        CDT=tl.bfloat16, IEEE=False, LORA_WDT=wdt, LORA_CDT=wdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
+        WAIT_FIRST=not lora,
     )  # fmt: skip
     fn = dl._decode_linear_kernel
     sig, const, attrs = {}, {}, {}

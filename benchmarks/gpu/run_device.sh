@@ -13,7 +13,6 @@
 #                                               bench_lora_kernels --tune-prefill (the shrink's and expand's tile sweep)
 #   bash benchmarks/gpu/run_device.sh prefill-tune   # only the sweep (and the 4096-token rows after it)
 #   bash benchmarks/gpu/run_device.sh prefill-check  # every GPU test, then the 4096-token rows
-#   bash benchmarks/gpu/run_device.sh in-gemm   # the shrink in the GEMM's launch: --matrix rows, its tests, bench_e2e
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -53,11 +52,6 @@ for stage in "$@"; do
             timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_triton_lora.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"
             timeout 100 python3 benchmarks/gpu/bench_lora_kernels.py --prefill-only --json "$OUT/prefill_default.json" 2>&1 | tee "$OUT/prefill_default.txt" | grep "^| qkv\|^| gate_up\|copy"
             timeout 420 python3 benchmarks/gpu/bench_lora_kernels.py --tune-prefill --prefill-only --json "$OUT/prefill_tuned.json" 2>&1 | tee "$OUT/prefill_tuned.txt" | grep -v "^|---"
-            ;;
-        in-gemm)
-            timeout 80 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;shrink in the GEMM launch;bf16 LoRA;shrink in the GEMM launch, bf16 LoRA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt"
-            LORASERVE_SHRINK_IN_GEMM=1 timeout 100 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e_in_gemm.json" 2>&1 | tee "$OUT/e2e_in_gemm.txt" | grep -A6 "^| model\|parity max\|greedy"
-            LORASERVE_SHRINK_IN_GEMM=1 timeout 60 python3 -m pytest -o addopts= -q -x -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_fused_decoder_path.py 2>&1 | tail -3 | tee "$OUT/tests_in_gemm.txt"
             ;;
         prefill-check)
             timeout 300 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"

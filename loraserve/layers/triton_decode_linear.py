@@ -40,13 +40,11 @@ adapters; LoRA cost per layer from ``--matrix``, 8-adapter step from bench_e2e, 
   first program (commit a392f5b): 5.71 vs 5.56 ms (not profiled; its spinning programs hold SMs while
   the shrink runs).
 
-The shrink as this launch's first programs (``ExpandEpilogue.shrink``, triton_ops.SHRINK_IN_GEMM, off):
-the GEMM is then a plain link of the PDL chain, launched while the kernel before it runs, and its
-epilogue spins until the shrink's programs have counted themselves done. Measured slower in session 9
-(33.7 vs 24.9 µs of LoRA cost per layer, 1.23x vs 1.16x the base step; only gate_up, whose K loop is
-long, gained: 8.4 vs 9.2 µs): each shrink program holds this kernel's shared memory (120 KB, a whole
-SM; benchmarks/gpu/kernel_resources.py), so the short GEMMs' programs spill into a second wave. Kept
-as a knob for gate_up-like GEMMs, untried alone.
+NOTE: the shrink as this launch's first programs (session 9, commit 8047943; the GEMM then a plain link
+of the PDL chain, its epilogue spinning until the shrink's programs were done) measured slower: 33.7 vs
+24.9 µs of LoRA cost per layer, the step 1.23x vs 1.16x the base (only gate_up, whose K loop is long,
+gained: 8.4 vs 9.2 µs). Each shrink program held this kernel's shared memory (120 KB, a whole SM;
+benchmarks/gpu/kernel_resources.py), so the short GEMMs' programs spilled into a second wave. Removed.
 
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
@@ -71,7 +69,6 @@ import triton
 import triton.language as tl
 
 from loraserve.lora.ops.triton.expand_block import block_delta, slots_per_chunk
-from loraserve.lora.ops.triton.lora_shrink import InLaunchShrink, shrink_program
 from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, pdl_link, persistent_buffer, tl_dtype
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
@@ -102,7 +99,6 @@ class ExpandEpilogue:
     lora_b: tuple[torch.Tensor, ...]
     token_slots: torch.Tensor
     pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
-    shrink: InLaunchShrink | None = None  # the shrink runs as this launch's first programs (then pdl is False)
 
 
 # NOTE: a register cap on the LoRA variant (the maxnreg launch option, 168) was timed on the H200 (session
@@ -190,15 +186,8 @@ def _epilogue(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    done_ptr,
-    N_SHRINK,
-    SPIN: tl.constexpr,
 ):
-    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored.
-
-    SPIN (the shrink ran as this launch's first N_SHRINK programs): wait until all of them have counted
-    themselves done in done_ptr[0] before reading buf; the last column block to get past puts the
-    counters back to zero (done_ptr[1] counts them) for the next launch."""
+    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -209,24 +198,14 @@ def _epilogue(
     y = acc.to(out_dt)  # (BLOCK_N, BLOCK_M): the base output, rounded as cuBLAS's would be
 
     if HAS_LORA:
-        if SPIN:
-            seen = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-            while seen < N_SHRINK:
-                seen = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
         # NOTE: slots and B are loaded here, after the K loop: loaded before it (held in registers
         # across the loop) they cost gate_up 21.4 instead of 12.8 µs of LoRA (session 6, H200, 8 slots)
         delta = block_delta(
             pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
             stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
-            SPIN,
         )  # fmt: skip
         y = (y.to(tl.float32) + delta).to(out_dt)
-        if SPIN:
-            passed = tl.atomic_add(done_ptr + 1, 1, sem="acq_rel", scope="gpu")
-            if passed == tl.cdiv(N, BLOCK_N) - 1:
-                tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(done_ptr + 1, 0, sem="relaxed", scope="gpu")
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, y, mask=n_mask[:, None] & m_mask[None, :])
@@ -236,7 +215,7 @@ def _epilogue(
 
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
 # of 16 and vectorizes the loads; only M (the token count) is a runtime value.
-@triton.jit(do_not_specialize=["M", "S", "SPLIT_K", "sh_T", "sh_S", "SH_SPLIT", "SH_G0", "SH_G1", "N_SHRINK"])
+@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
 def _decode_linear_kernel(
     x_ptr,
     w_ptr,
@@ -267,24 +246,6 @@ def _decode_linear_kernel(
     stride_ws0,
     stride_ws1,
     stride_ws2,
-    # the in-launch shrink (SHRINK; lora_shrink.InLaunchShrink): its first N_SHRINK programs
-    sh_a0,
-    sh_a1,
-    sh_a2,
-    sh_cnt,
-    sh_meta,
-    sh_rank,
-    done_ptr,  # int32 (3,): shrink programs done, column blocks past their wait, tickets; zero between launches
-    sh_T,
-    sh_S,
-    sh_k_per_split,
-    sh_stride_as,
-    sh_stride_ar,
-    SH_RBLOCKS,
-    SH_SPLIT,
-    SH_G0,
-    SH_G1,
-    N_SHRINK,
     R: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
@@ -306,37 +267,10 @@ def _decode_linear_kernel(
     USE_PDL: tl.constexpr,
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
     WAIT_FIRST: tl.constexpr,  # (PDL_CHAIN) wait for the kernel before us before reading x
-    SHRINK: tl.constexpr,
-    SH_BLOCK_M: tl.constexpr,
-    SH_BLOCK_K: tl.constexpr,
-    SH_RED: tl.constexpr,
-    SH_REDUCE: tl.constexpr,
-    SH_CDT: tl.constexpr,
-    SH_IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PDL_CHAIN:
         pdl_link(WAIT_FIRST)
-    if SHRINK:
-        # NOTE: roles by arrival, not by program id: the first N_SHRINK programs to start run the shrink,
-        # so a GEMM program spinning on them never waits for one that has not started (CUDA does not
-        # promise to start programs in id order). Taken after the PDL wait (the kernel before us has
-        # finished, so this launch's counter is back at zero); the last ticket puts it back to zero.
-        pid = tl.atomic_add(done_ptr + 2, 1, sem="relaxed", scope="gpu")
-        if pid == tl.num_programs(0) - 1:
-            tl.atomic_xchg(done_ptr + 2, 0, sem="relaxed", scope="gpu")
-        if pid < N_SHRINK:
-            shrink_program(
-                pid % SH_G0, (pid // SH_G0) % SH_G1, pid // (SH_G0 * SH_G1), SH_G1,
-                x_ptr, sh_a0, sh_a1, sh_a2, buf_ptr, sh_cnt, sh_meta, sh_rank, sh_T, sh_S, K, sh_k_per_split,
-                stride_xm, 1, sh_stride_as, sh_stride_ar, 1, stride_bsp, stride_bi, stride_bm, R,
-                NUM_SLICES, SH_RBLOCKS, SH_SPLIT, SH_BLOCK_M, SH_BLOCK_K, 16, SH_RED, SH_REDUCE, False, True,
-                False, SH_CDT, SH_IEEE, False,
-            )  # fmt: skip
-            tl.debug_barrier()
-            tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
-            return
-        pid = pid - N_SHRINK
     if SPLIT_W == 1:
         pid_n = pid
         k_lo = pid * 0
@@ -375,7 +309,7 @@ def _decode_linear_kernel(
             acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, done_ptr, N_SHRINK, SHRINK,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
@@ -397,7 +331,7 @@ def _decode_linear_kernel(
                 total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
                 S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, done_ptr, N_SHRINK, SHRINK,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
 
 
@@ -445,9 +379,6 @@ def decode_linear(
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cdt = compute_dtype_of(x.dtype, weight.dtype)
     lora_args: tuple = (x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    shrink_args: tuple = (x, x, x, x, x, x, x, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0)
-    shrink_consts = dict(SHRINK=False, SH_BLOCK_M=16, SH_BLOCK_K=16, SH_RED=1, SH_REDUCE=False, SH_CDT=tl.float32, SH_IEEE=False)
-    n_shrink = 0
     lora_consts = dict(
         R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
     )
@@ -482,20 +413,6 @@ def decode_linear(
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl
-        sh = lora.shrink
-        if sh is not None:
-            assert not pdl, "the in-launch shrink replaces the shrink's own launch"
-            a0 = sh.lora_a[0]
-            n_shrink = sh.programs
-            done = persistent_buffer(x.device, "decode_linear/shrink_done", 3)
-            shrink_args = (
-                *sh.lora_a, sh.cnt, sh.meta.packed, sh.ranks, done, M, sh.meta.num_segs, sh.k_per_split,
-                a0.stride(0), a0.stride(2), sh.n_rblocks, sh.split, sh.g0, sh.g1, n_shrink,
-            )  # fmt: skip
-            shrink_consts = dict(
-                SHRINK=True, SH_BLOCK_M=sh.block_m, SH_BLOCK_K=sh.block_k, SH_RED=min(triton.next_power_of_2(sh.split), 16),
-                SH_REDUCE=sh.split > 1, SH_CDT=tl_dtype(sh.cdt), SH_IEEE=sh.cdt == torch.float32 and x.dtype == torch.float32,
-            )  # fmt: skip
     chain = pdl_chain(x.device)
     block_m = _block_m(M)
     n_blocks = triton.cdiv(N, tiles.block_n)
@@ -505,10 +422,10 @@ def decode_linear(
     if split > 1:
         ws = persistent_buffer(x.device, "decode_linear/partials", split * n_blocks * tiles.block_n * block_m, torch.float32)
         cnt = persistent_buffer(x.device, "decode_linear/arrivals", n_blocks)
-    _decode_linear_kernel[(n_shrink + n_blocks * split,)](
+    _decode_linear_kernel[(n_blocks * split,)](
         x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0),
-        *lora_args, *shrink_args,
+        *lora_args,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
         EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
@@ -517,6 +434,6 @@ def decode_linear(
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
         USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain,
-        **lora_consts, **shrink_consts,
+        **lora_consts,
     )  # fmt: skip
     return y

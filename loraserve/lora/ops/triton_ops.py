@@ -17,21 +17,9 @@ import torch
 
 from loraserve.layers import triton_decode_linear as decode
 from loraserve.lora.ops.triton.lora_expand import lora_expand
-from loraserve.lora.ops.triton.lora_shrink import lora_shrink, plan_in_launch
+from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
 from loraserve.lora.punica import SegmentMeta
-
-# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_SHRINK_IN_GEMM=1 sets it): the
-# decode shrink runs as the first programs of decode_linear's own launch instead of a launch before it,
-# so the GEMM is a link of the PDL chain like the base GEMM (launched while the kernel before it runs)
-# and its epilogue spins until the shrink's programs are done (lora_shrink.plan_in_launch). Off: slower
-# (H200, session 9, Llama-8B shapes, 32 tokens, 8 fp32 adapters, 48-64 shrink programs; LoRA cost per
-# layer 33.7 vs 24.9 µs: qkv 9.7 vs 5.0, o 6.2 vs 4.4, down 9.4 vs 6.2, only gate_up 8.4 vs 9.2; the
-# 8-adapter step 5.89 vs 4.80 ms base, 1.23x, where the default measured 1.16x). Offline
-# (kernel_resources.py) each shrink program holds the GEMM kernel's 120 KB of shared memory, a whole SM,
-# so the short GEMMs' programs no longer fit in one wave. Correct on the GPU (96 tests with it on).
-SHRINK_IN_GEMM = os.environ.get("LORASERVE_SHRINK_IN_GEMM", "0") == "1"
-
 
 # Knob (a module attribute: --matrix sweeps it; LORASERVE_LORA_GEMM_STAGES sets it; 0: the tiles' own): the
 # pipeline stages of a GEMM that carries the LoRA epilogue. Offline (kernel_resources.py, sm_90), the decode
@@ -124,10 +112,6 @@ class TritonLoRAOps:
         if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
         tiles = lora_tiles(tiles)
-        if SHRINK_IN_GEMM and meta.max_seg_len <= 32:
-            buf, plan = plan_in_launch(x, lora_a_stacked, meta, rank_dev)
-            epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, shrink=plan)
-            return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
         # zero_fill: the epilogue loads no rank, so every column of a LoRA token's row must be written
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
         # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no

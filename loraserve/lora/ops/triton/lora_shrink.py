@@ -22,9 +22,6 @@ the forward) is loaded before the PDL wait, overlapping the previous kernel's ta
 Prefill (segments longer than 32 tokens) takes ``PREFILL``'s tiles, where by default a program owns
 every slice of its tile and loads each tile of x once for all of them.
 
-A program's work is ``shrink_program``: this kernel's own launch runs it over its 3-D grid, and
-``decode_linear`` can run it as the first programs of its own launch (``plan_in_launch``; off by
-default, see triton_ops.SHRINK_IN_GEMM).
 """
 
 from __future__ import annotations
@@ -119,92 +116,13 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
 
 
 @triton.jit
-def shrink_program(
-    pid0,
-    pid_m,
-    seg,
-    n_mblocks,  # the grid's token blocks (its axis 1 in this kernel's own launch)
-    x_ptr,
-    a0_ptr,
-    a1_ptr,
-    a2_ptr,
-    buf_ptr,
-    cnt_ptr,  # int32 (groups,): split arrivals per group, zero between launches (SPLIT_K > 1)
-    meta_ptr,  # int32: order (T,), seg_slot (S,), seg_start (S,), seg_len (S,)
-    rank_ptr,  # int32 (max_loras,): this layer's rank per slot
-    T,
-    S,
-    K,
-    k_per_split,
-    stride_xm,
-    stride_xk,
-    stride_as,
-    stride_ar,
-    stride_ak,
-    stride_bsp,
-    stride_bi,
-    stride_bm,
-    R,  # buf's (and A's) rank columns: all of them are written for the tokens of every segment
-    NUM_SLICES: tl.constexpr,
-    NUM_RBLOCKS,
-    SPLIT_K,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    RED: tl.constexpr,  # planes a group's last split loads at once (1: no reduction here, see REDUCE)
-    REDUCE: tl.constexpr,  # sum the splits here (the last arrival); else each split keeps its plane
-    ONE_CHUNK: tl.constexpr,  # k_per_split == BLOCK_K: one tile of A per program, loaded before the wait
-    ZERO_FILL: tl.constexpr,  # programs past their slot's rank store zeros (the columns the readers see)
-    FUSE_SLICES: tl.constexpr,  # a program computes every slice of its tile (x read once), not one
-    CDT: tl.constexpr,
-    IEEE: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """One program of the shrink: (split of K, rank block, slice) ``pid0``, token block ``pid_m`` of segment
-    ``seg``. Its own launch (``_lora_shrink_kernel``) or decode_linear's shrink programs run it."""
-    split = pid0 % SPLIT_K
-    rblock = (pid0 // SPLIT_K) % NUM_RBLOCKS
-    sl = pid0 // (SPLIT_K * NUM_RBLOCKS)  # (FUSE_SLICES: 0, the program owns them all)
-
-    slot = tl.load(meta_ptr + T + seg)
-    seg_start = tl.load(meta_ptr + T + S + seg)
-    seg_len = tl.load(meta_ptr + T + 2 * S + seg)
-    rank = tl.load(rank_ptr + slot)
-    r0 = rblock * BLOCK_R
-    m0 = pid_m * BLOCK_M
-    if (r0 >= rank) | (m0 >= seg_len):
-        if USE_PDL:
-            # NOTE: a program that exits counts as having triggered its PDL dependents, and the fused GEMM
-            # reads x before its own wait, trusting that every shrink program waited first: so wait
-            # here too (a batch of base tokens only, under a CUDA graph, exits every program)
-            tl.extra.cuda.gdc_wait()
-        if ZERO_FILL:
-            # columns past the slot's rank (a rank-0 slot: all of them) hold zeros, in every plane a reader
-            # sums (plane 0 alone when the splits are summed here): decode_linear's epilogue loads no rank
-            for i in tl.static_range(NUM_SLICES if FUSE_SLICES else 1):
-                _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl + i, R, stride_bsp,
-                             stride_bi, stride_bm, BLOCK_M, BLOCK_R, REDUCE)  # fmt: skip
-    elif FUSE_SLICES:
-        _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split,
-                           stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi,
-                           stride_bm, R, NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, CDT,
-                           IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
-    else:
-        _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split, stride_xm,
-                          stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
-                          NUM_SLICES, NUM_RBLOCKS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, ONE_CHUNK, CDT,
-                          IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m,
-                          n_mblocks)  # fmt: skip
-
-
-@triton.jit
 def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split, stride_xm,
                       stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
                       NUM_SLICES: tl.constexpr, NUM_RBLOCKS, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, ONE_CHUNK: tl.constexpr,
                       CDT: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr, slot, seg, seg_start, seg_len,
-                      rank, rblock, split, sl, pid_m, n_mblocks):  # fmt: skip
-    """A program that owns one slice of its tile (the decode shape; see ``shrink_program``)."""
+                      rank, rblock, split, sl, pid_m):  # fmt: skip
+    """A program that owns one slice of its tile (the decode shape)."""
     r0 = rblock * BLOCK_R
     m0 = pid_m * BLOCK_M
     if NUM_SLICES == 1:
@@ -254,7 +172,7 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
         # acq_rel atomic at GPU scope; the last arrival reads the planes past L1 (.cg, not coherent across
         # SMs), in plane order whoever it is, and puts the counter back to zero for the next launch
         tl.debug_barrier()
-        group = ((sl * NUM_RBLOCKS + rblock) * n_mblocks + pid_m) * S + seg
+        group = ((sl * NUM_RBLOCKS + rblock) * tl.num_programs(1) + pid_m) * S + seg
         arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             tl.store(out, sum_planes(out, out_mask, SPLIT_K, stride_bsp, RED, True), mask=out_mask)
@@ -302,14 +220,42 @@ def _lora_shrink_kernel(
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """The shrink's own launch: a grid (split x rank blocks x slices, token blocks, segments)."""
-    shrink_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1),
-        x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, rank_ptr, T, S, K, k_per_split,
-        stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
-        NUM_SLICES, NUM_RBLOCKS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, ONE_CHUNK, ZERO_FILL,
-        FUSE_SLICES, CDT, IEEE, USE_PDL,
-    )  # fmt: skip
+    """A grid (split x rank blocks x slices, token blocks, segments)."""
+    pid0 = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    seg = tl.program_id(2)
+    split = pid0 % SPLIT_K
+    rblock = (pid0 // SPLIT_K) % NUM_RBLOCKS
+    sl = pid0 // (SPLIT_K * NUM_RBLOCKS)  # (FUSE_SLICES: 0, the program owns them all)
+
+    slot = tl.load(meta_ptr + T + seg)
+    seg_start = tl.load(meta_ptr + T + S + seg)
+    seg_len = tl.load(meta_ptr + T + 2 * S + seg)
+    rank = tl.load(rank_ptr + slot)
+    r0 = rblock * BLOCK_R
+    m0 = pid_m * BLOCK_M
+    if (r0 >= rank) | (m0 >= seg_len):
+        if USE_PDL:
+            # NOTE: a program that exits counts as having triggered its PDL dependents, and the fused GEMM
+            # reads x before its own wait, trusting that every shrink program waited first: so wait
+            # here too (a batch of base tokens only, under a CUDA graph, exits every program)
+            tl.extra.cuda.gdc_wait()
+        if ZERO_FILL:
+            # columns past the slot's rank (a rank-0 slot: all of them) hold zeros, in every plane a reader
+            # sums (plane 0 alone when the splits are summed here): decode_linear's epilogue loads no rank
+            for i in tl.static_range(NUM_SLICES if FUSE_SLICES else 1):
+                _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl + i, R, stride_bsp,
+                             stride_bi, stride_bm, BLOCK_M, BLOCK_R, REDUCE)  # fmt: skip
+    elif FUSE_SLICES:
+        _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split,
+                           stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi,
+                           stride_bm, R, NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, CDT,
+                           IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
+    else:
+        _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split, stride_xm,
+                          stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
+                          NUM_SLICES, NUM_RBLOCKS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, ONE_CHUNK, CDT,
+                          IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m)  # fmt: skip
 
 
 # Tuning knobs (module attributes, so that benchmarks/gpu/bench_decode_linear.py --matrix can sweep them):
@@ -453,64 +399,3 @@ def lora_shrink(
         USE_PDL=pdl, launch_pdl=pdl, **launch,
     )  # fmt: skip
     return buf[:1] if reduce else buf
-
-
-# Knob: how many programs the shrink gets when it runs inside decode_linear's launch (``InLaunchShrink``)
-IN_LAUNCH_PROGRAMS = 64
-
-
-@dataclass(frozen=True)
-class InLaunchShrink:
-    """The shrink as the first programs of ``decode_linear``'s own launch (``triton_ops.SHRINK_IN_GEMM``):
-    ``programs`` programs of the grid (split x rank blocks x slices, token blocks, segments), flattened,
-    each a ``shrink_program`` over a ``k_per_split`` range of K in ``block_k`` steps; the splits are
-    summed by their last arrival, as this kernel's own launch does."""
-
-    lora_a: tuple[torch.Tensor, ...]
-    cnt: torch.Tensor  # the split arrivals, as lora_shrink's
-    meta: SegmentMeta
-    ranks: torch.Tensor
-    k_per_split: int
-    n_rblocks: int
-    split: int
-    g0: int  # the grid's axis 0 (split x rank blocks x slices) and 1 (token blocks), flattened in that order
-    g1: int
-    programs: int
-    block_m: int
-    block_k: int
-    cdt: torch.dtype
-
-
-def plan_in_launch(
-    x: torch.Tensor, lora_a: tuple[torch.Tensor, ...], meta: SegmentMeta, ranks: torch.Tensor
-) -> tuple[torch.Tensor, InLaunchShrink]:
-    """(buf, plan) for ``decode_linear``'s in-launch shrink at decode sizes (segments of <= 32 tokens):
-    every column of a LoRA token's row written (zero_fill), the splits summed into plane 0. K is split
-    so that the grid has at most about IN_LAUNCH_PROGRAMS programs (more only when the groups alone
-    exceed it): few, since each holds a slot of the GEMM's (registers, shared memory) while the GEMM's
-    own programs stream W beside it."""
-    n = len(lora_a)
-    T, K = x.shape
-    a0 = lora_a[0]
-    R = a0.shape[2]
-    assert meta.max_seg_len <= 32, "the in-launch shrink serves decode sizes"
-    assert a0.stride(3) == 1 and all(a.stride() == a0.stride() for a in lora_a)
-    block_r, block_k = 16, 128
-    n_rblocks = triton.cdiv(R, block_r)
-    block_m = 16 if meta.max_seg_len <= 16 else 32
-    g1 = 1
-    groups = n * n_rblocks * g1 * meta.num_segs
-    split = 1
-    while groups * split * 2 <= IN_LAUNCH_PROGRAMS and K // (split * 2) >= 2 * block_k:
-        split *= 2
-    k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-    split = triton.cdiv(K, k_per_split)
-    g0 = split * n_rblocks * n
-    buf = _new_buf((split, n, T, R), x.device)[:1]  # every split's plane is written; plane 0 holds the sum
-    cnt = persistent_buffer(x.device, "lora_shrink/arrivals", max(1, n * n_rblocks * g1 * meta.num_segs))
-    plan = InLaunchShrink(
-        lora_a=(a0, lora_a[1] if n > 1 else a0, lora_a[2] if n > 2 else a0), cnt=cnt, meta=meta, ranks=ranks,
-        k_per_split=k_per_split, n_rblocks=n_rblocks, split=split, g0=g0, g1=g1, programs=g0 * g1 * meta.num_segs,
-        block_m=block_m, block_k=block_k, cdt=compute_dtype_of(x.dtype, a0.dtype),
-    )  # fmt: skip
-    return buf, plan
