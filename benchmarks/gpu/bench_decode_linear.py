@@ -11,6 +11,7 @@ device-to-device copy measured in the same run.
     python benchmarks/gpu/bench_decode_linear.py --tune         # the tile sweep at M = 32 first
     python benchmarks/gpu/bench_decode_linear.py --matrix       # the LoRA cost per op under each knob (MATRIX)
     python benchmarks/gpu/bench_decode_linear.py --lora-tune    # the fused LoRA op's time per tile config
+    python benchmarks/gpu/bench_decode_linear.py --trace        # each kernel's start and end in a graph replay
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     # session 8); the LoRA variant capped at 168 registers, B through a 3-D block pointer, both, the shrink as
     # the GEMM launch's first programs (8047943; session 9)
 }
-PARTS = ("default",)  # configs whose cost is also split into shrink and epilogue
+PARTS = ("default", "bf16 LoRA")  # configs whose cost is also split into shrink and epilogue
 
 
 def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
@@ -253,6 +254,77 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
     for cfg, (u, f) in sums.items():
         print(f"| {cfg} | {MATRIX[cfg][0]} | {u:.1f} | {f:.1f} |")
     return rows
+
+
+def _replay_kernels(fn, layers: int, path: str) -> list[tuple[str, float, float]]:
+    """(kernel name, start µs, end µs) of one CUDA-graph replay of fn, from the profiler's trace."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    ks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
+    return [(name, t0, t1) for t0, t1, name in ks]
+
+
+def trace(layers: int, out_dir: str) -> None:
+    """Where the LoRA cost of each op goes, from kernel timestamps (profiler, CUDA graph of ``layers``
+    ops): per op the base GEMM's period (end to end of consecutive GEMMs) and, fused, the shrink's span,
+    the GEMM's start after the shrink's start, the GEMM's end after the shrink's end, and the period."""
+    import os
+    import statistics as st
+
+    os.makedirs(out_dir, exist_ok=True)
+    ops = TritonLoRAOps(DEV)
+    med = st.median
+
+    def base(case: Case, tiles):
+        return lambda: [dl.decode_linear(case.x, w, tiles=tiles) for w in case.ws]
+
+    def fused(lc: Case, tiles):
+        rank_dev, R = ops.ranks_tensor(lc.ranks), lc.As[0][0].shape[2]
+        return lambda: [dl.decode_linear(lc.x, w, lora=fused_epilogue(lc, ops, A, B, rank_dev, R), tiles=tiles)
+                        for w, A, B in zip(lc.ws, lc.As, lc.Bs)]  # fmt: skip
+
+    for name, K, slices in SHAPES["llama-8b"][:4]:
+        case = Case(K, slices, 32, layers)
+        tiles = dl.default_tiles(32, case.N, K, torch.bfloat16)
+        ks = _replay_kernels(base(case, tiles), layers, f"{out_dir}/{name}_base.json")
+        ends = [t1 for _, _, t1 in ks]
+        print(f"trace {name} base: {len(ks)} kernels, GEMM span {med([t1 - t0 for _, t0, t1 in ks]):.1f} µs, "
+              f"period {med([b - a for a, b in zip(ends, ends[1:])]):.1f} µs", flush=True)  # fmt: skip
+        del case
+        for ldt in (torch.bfloat16, torch.float32):
+            lc = Case(K, slices, 32, layers, lora_dtype=ldt)
+            ks = _replay_kernels(fused(lc, tiles), layers, f"{out_dir}/{name}_{str(ldt)[6:]}.json")
+            del lc
+            sh = [k for k in ks if "shrink" in k[0]]
+            gm = [k for k in ks if "decode_linear" in k[0]]
+            if len(sh) != len(gm):
+                print(f"trace {name} {ldt}: {len(sh)} shrinks, {len(gm)} GEMMs: " + ", ".join(k[0][:30] for k in ks[:8]))
+                continue
+            print(f"trace {name} {str(ldt)[6:]}: shrink span {med([b - a for _, a, b in sh]):.1f} | GEMM span "
+                  f"{med([b - a for _, a, b in gm]):.1f} | GEMM start - shrink start {med([g[1] - s[1] for s, g in zip(sh, gm)]):.1f} "
+                  f"| GEMM end - shrink end {med([g[2] - s[2] for s, g in zip(sh, gm)]):.1f} | shrink start - previous GEMM end "
+                  f"{med([s[1] - g[2] for s, g in zip(sh[1:], gm)]):.1f} | period {med([b[2] - a[2] for a, b in zip(gm, gm[1:])]):.1f} µs",
+                  flush=True)  # fmt: skip
+            if name == "qkv":
+                t00 = ks[0][1]
+                for kname, t0, t1 in ks[:9]:
+                    print(f"    {kname[:40]:40s} {t0 - t00:8.1f} {t1 - t00:8.1f}")
+        torch.cuda.empty_cache()
 
 
 def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
@@ -341,11 +413,15 @@ def main() -> None:
     ap.add_argument("--matrix", action="store_true", help="only the LoRA cost per op under each knob of MATRIX")
     ap.add_argument("--rows", default=None, help="--matrix: only these rows of MATRIX (names separated by ';')")
     ap.add_argument("--lora-tune", action="store_true", help="only the fused LoRA op's time per tile config")
+    ap.add_argument("--trace", default=None, help="only the kernel timestamps of each op (profiler traces into this folder)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     if args.lora_tune:
         lora_tune(args.layers)
+        return
+    if args.trace:
+        trace(args.layers, args.trace)
         return
     if args.matrix:
         print("| knob | op | cuBLAS µs | unfused µs | LoRA cost | decode_linear µs | fused µs | LoRA cost | fused rel err |")
