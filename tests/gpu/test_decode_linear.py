@@ -208,3 +208,90 @@ def test_supports_refuses_what_it_cannot_do():
     assert not supports(torch.randn(33, 256, device=DEV, dtype=torch.bfloat16), w)  # too many tokens
     assert not supports(x.float(), w.float())  # fp32 takes cuBLAS
     assert not supports(x, w.t().contiguous().t())  # W not contiguous along K
+
+
+IN_LOOP_CASES = [
+    # M, K, slice outs, S, R, ranks, slots (None: round-robin over S), x dtype, LoRA dtype, tiles (None: the
+    # default ones); tiles with enough programs to hold every unit (slots x slices x rank blocks)
+    (12, 256, (128, 64, 64), 4, 16, [16, 8, 16, 4], None, torch.float16, torch.float32, DecodeTiles(16, 64, 4, 2)),
+    (12, 1024, (128, 64, 64), 4, 16, [16, 8, 16, 4], None, torch.float16, torch.float32,
+     DecodeTiles(16, 128, 4, 2, split_k=4)),  # GEMM split-K
+    (7, 512, (128,), 3, 32, [32, 0, 20], None, torch.float16, torch.float16, DecodeTiles(16, 128, 4, 2)),  # 2 rank blocks
+    (32, 512, (256, 256), 8, 16, [16] * 8, None, torch.float16, torch.float32, DecodeTiles(32, 128, 4, 2, split_k=2)),
+    (5, 256, (128, 64, 64), 6, 16, [16] * 6, [3, -1, 3, 5, -1], torch.float16, torch.float32, DecodeTiles(16, 64, 4, 2)),
+    (9, 256, (128,), 2, 16, [16, 16], [-1] * 9, torch.float16, torch.float32, DecodeTiles(16, 64, 4, 2)),  # base only
+    (32, 512, (512, 128, 128), 8, 16, [16, 4, 16, 8, 16, 16, 12, 16], None, torch.bfloat16, torch.float32,
+     DecodeTiles(32, 128, 4, 3)),
+    (32, 4096, (1024, 256, 256), 8, 16, [16] * 8, None, torch.bfloat16, torch.bfloat16, None),  # split-K 4
+]
+
+
+@pytest.mark.parametrize("case", IN_LOOP_CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-{len(c[2])}sl-S{c[3]}-R{c[4]}-{c[7]}-{c[8]}")
+def test_shrink_in_the_k_loop_matches_the_unfused_path(case, monkeypatch):
+    """With the shrink in the GEMM's K loop (triton_ops.SHRINK_IN_LOOP: no shrink launch, the first
+    programs compute one unit of A each), linear_with_lora equals the unfused path (GEMM, then shrink
+    and expand): garbage in A past each slot's rank, a rank-0 slot, slots absent from the batch, a batch
+    of base tokens only (the base GEMM's bits); its counters are back at zero after each launch and two
+    launches give the same bits."""
+    from loraserve.layers import triton_decode_linear as dl
+    from loraserve.lora.ops import triton_ops
+    from loraserve.lora.ops.triton import utils as triton_utils
+
+    M, K, outs, S, R, ranks, slots, xdt, wdt, tiles = case
+    skip_interpreted_bf16(xdt, wdt)
+    monkeypatch.setattr(triton_ops, "SHRINK_IN_LOOP", True)
+    if tiles is not None:
+        monkeypatch.setattr(dl, "default_tiles", lambda *shape: tiles)
+    launched = []
+    real = dl.decode_linear
+    monkeypatch.setattr(dl, "decode_linear", lambda *a, **k: launched.append(k.get("lora")) or real(*a, **k))
+    g = torch.Generator().manual_seed(M + K)
+    x = torch.randn(M, K, generator=g).to(DEV, xdt)
+    w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, xdt)
+    As, Bs = lora_stacks(g, S, R, K, outs, ranks, wdt)
+    slots = slots if slots is not None else [t % S for t in range(M)]
+    mapping = LoRAMapping.build(slots, slots, DEV)
+    meta = mapping.token_meta or SegmentMeta.build(
+        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
+    )
+    ops = TritonLoRAOps(DEV)
+    y = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
+    assert y is not None and launched[-1] is not None and launched[-1].shrink is not None, "the in-loop path ran"
+    assert torch.equal(y, ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots))
+    sync = triton_utils._PERSISTENT[("decode_linear/in_loop_sync", x.device, torch.int32)]
+    assert all(int(c.abs().sum()) == 0 for c in sync), "the in-loop shrink's counters must end at zero"
+    ref = real(x, w)
+    ops.add_lora_linear(ref, x, As, Bs, ranks, meta)
+    assert rel_err(y, ref) < 1e-2
+    base = real(x, w)
+    base_rows = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
+    assert torch.equal(y[base_rows], base[base_rows])
+    lora_rows = [t for t, s in enumerate(slots) if s >= 0 and ranks[s] > 0]
+    if lora_rows:
+        assert not torch.equal(y[lora_rows], base[lora_rows])
+
+
+def test_shrink_in_the_k_loop_needs_a_holder_per_unit(monkeypatch):
+    """More units than programs that may hold one (one per SM at most): the shrink launch instead."""
+    from loraserve.layers import triton_decode_linear as dl
+    from loraserve.lora.ops import triton_ops
+    from loraserve.lora.ops.triton import loop_shrink
+
+    monkeypatch.setattr(triton_ops, "SHRINK_IN_LOOP", True)
+    tiles = default_tiles(32, 128, 256, torch.float16)  # 2 column blocks, no split: 2 holders
+    assert dl.loop_hold_per_split(DEV, tiles, 128) == 2
+    assert loop_shrink.max_units(32, 8, 1, 16) == 8
+    launched = []
+    real = dl.decode_linear
+    monkeypatch.setattr(dl, "decode_linear", lambda *a, **k: launched.append(k.get("lora")) or real(*a, **k))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 256, generator=g).to(DEV, torch.float16)
+    w = (torch.randn(128, 256, generator=g) * 0.05).to(DEV, torch.float16)
+    As, Bs = lora_stacks(g, 8, 16, 256, (128,), [16] * 8, torch.float32)
+    slots = [t % 8 for t in range(32)]
+    mapping = LoRAMapping.build(slots, slots, DEV)
+    meta = mapping.token_meta or SegmentMeta.build(
+        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
+    )
+    y = TritonLoRAOps(DEV).linear_with_lora(x, w, None, As, Bs, [16] * 8, meta, mapping.token_slots)
+    assert y is not None and launched[-1].shrink is None and launched[-1].buf is not None
