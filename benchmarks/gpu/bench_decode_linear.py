@@ -121,10 +121,7 @@ def bench_base(case: Case, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
 
 
 def fused_epilogue(case: Case, ops: TritonLoRAOps, A, B, rank_dev, R) -> dl.ExpandEpilogue:
-    """The LoRA epilogue as linear_with_lora builds it: the shrink launched first (PDL), or (the knob
-    triton_ops.SHRINK_IN_LOOP) computed in the GEMM's K loop."""
-    if triton_ops.SHRINK_IN_LOOP:
-        return dl.ExpandEpilogue(None, B, case.mapping.token_slots, shrink=dl.LoopShrink(A, rank_dev))
+    """The LoRA epilogue as linear_with_lora builds it: the shrink launched first (PDL)."""
     buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
     return dl.ExpandEpilogue(buf, B, case.mapping.token_slots, pdl=ops_pdl(case.x.device))
 
@@ -165,12 +162,6 @@ def bench_parts(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) ->
     return graph_us(shrink_then_gemm, len(case.ws)), graph_us(epilogue_only, len(case.ws))
 
 
-def lora_op_tiles(lc: Case) -> dl.DecodeTiles:
-    """The tiles linear_with_lora gives this LoRA'd op (with the in-loop shrink: fewer stages if needed)."""
-    tiles = dl.default_tiles(lc.M, lc.N, lc.K, torch.bfloat16)
-    return triton_ops.lora_tiles(tiles, lc.As[0][0].dtype if triton_ops.SHRINK_IN_LOOP else None, lc.M)
-
-
 def ops_pdl(device) -> bool:
     return triton_ops.use_pdl(device)
 
@@ -189,9 +180,6 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "LoRA GEMM 3 stages": ("3 K steps (72 KB)", {"lora_stages": 3}),
     "shrink K blocks 128": ("the decode shrink's programs take K blocks of 128 (256 past 8192): half the shared "
                             "memory, twice the programs", {"block_k": (128, 256)}),
-    "shrink in the K loop": ("no shrink launch: the GEMM's first programs compute s in their K loop (loop_shrink.py)",
-                             {"in_loop": True}),
-    "shrink in the K loop, bf16 LoRA": ("the same with A and B in bf16", {"in_loop": True, "lora_dtype": torch.bfloat16}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
     # {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)} (session 6); the delta in a launch
     # of its own after the GEMM (session 7, commit bfb8465); the delta as more K columns of the GEMM (2fab3e5),
@@ -224,8 +212,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, triton_ops.LORA_GEMM_STAGES,
-             triton_ops.SHRINK_IN_LOOP)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, triton_ops.LORA_GEMM_STAGES)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -237,13 +224,12 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
         triton_ops.LORA_GEMM_STAGES = knobs.get("lora_stages", saved[7])
-        triton_ops.SHRINK_IN_LOOP = knobs.get("in_loop", saved[8])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
         for name, K, slices in SHAPES["llama-8b"][:4]:
             lc = Case(K, slices, 32, layers, lora_dtype=knobs.get("lora_dtype", torch.float32))
-            tiles = lora_op_tiles(lc)
+            tiles = triton_ops.lora_tiles(dl.default_tiles(32, lc.N, K, torch.bfloat16))
             t_unf, t_fus = bench_lora(lc, ops, tiles)
             err = check(lc, ops, tiles)
             t_cublas, t_ours = base[name]
@@ -258,7 +244,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN,
-         expand_block.MMA_COLUMNS, triton_ops.LORA_GEMM_STAGES, triton_ops.SHRINK_IN_LOOP) = saved[3:9]  # fmt: skip
+         expand_block.MMA_COLUMNS, triton_ops.LORA_GEMM_STAGES) = saved[3:8]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])
@@ -303,7 +289,6 @@ def trace(layers: int, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     ops = TritonLoRAOps(DEV)
     med = st.median
-    saved = triton_ops.SHRINK_IN_LOOP
 
     def base(case: Case, tiles):
         return lambda: [dl.decode_linear(case.x, w, tiles=tiles) for w in case.ws]
@@ -321,22 +306,16 @@ def trace(layers: int, out_dir: str) -> None:
         print(f"trace {name} base: {len(ks)} kernels, GEMM span {med([t1 - t0 for _, t0, t1 in ks]):.1f} µs, "
               f"period {med([b - a for a, b in zip(ends, ends[1:])]):.1f} µs", flush=True)  # fmt: skip
         del case
-        for ldt, in_loop in itertools.product((torch.bfloat16, torch.float32), (False, True)):
-            triton_ops.SHRINK_IN_LOOP = in_loop
+        for ldt in (torch.bfloat16, torch.float32):
             lc = Case(K, slices, 32, layers, lora_dtype=ldt)
-            label = f"{name} {str(ldt)[6:]}{' in loop' if in_loop else ''}"
-            ks = _replay_kernels(fused(lc, lora_op_tiles(lc)), layers, f"{out_dir}/{label.replace(' ', '_')}.json")
+            ks = _replay_kernels(fused(lc, tiles), layers, f"{out_dir}/{name}_{str(ldt)[6:]}.json")
             del lc
             sh = [k for k in ks if "shrink" in k[0]]
             gm = [k for k in ks if "decode_linear" in k[0]]
-            if in_loop:
-                print(f"trace {label}: {len(ks)} kernels, GEMM span {med([b - a for _, a, b in gm]):.1f} | period "
-                      f"{med([b[2] - a[2] for a, b in zip(gm, gm[1:])]):.1f} µs", flush=True)  # fmt: skip
-                continue
             if len(sh) != len(gm):
-                print(f"trace {label}: {len(sh)} shrinks, {len(gm)} GEMMs: " + ", ".join(k[0][:30] for k in ks[:8]))
+                print(f"trace {name} {ldt}: {len(sh)} shrinks, {len(gm)} GEMMs: " + ", ".join(k[0][:30] for k in ks[:8]))
                 continue
-            print(f"trace {label}: shrink span {med([b - a for _, a, b in sh]):.1f} | GEMM span "
+            print(f"trace {name} {str(ldt)[6:]}: shrink span {med([b - a for _, a, b in sh]):.1f} | GEMM span "
                   f"{med([b - a for _, a, b in gm]):.1f} | GEMM start - shrink start {med([g[1] - s[1] for s, g in zip(sh, gm)]):.1f} "
                   f"| GEMM end - shrink end {med([g[2] - s[2] for s, g in zip(sh, gm)]):.1f} | shrink start - previous GEMM end "
                   f"{med([s[1] - g[2] for s, g in zip(sh[1:], gm)]):.1f} | period {med([b[2] - a[2] for a, b in zip(gm, gm[1:])]):.1f} µs",
@@ -345,7 +324,6 @@ def trace(layers: int, out_dir: str) -> None:
                 t00 = ks[0][1]
                 for kname, t0, t1 in ks[:9]:
                     print(f"    {kname[:40]:40s} {t0 - t00:8.1f} {t1 - t00:8.1f}")
-        triton_ops.SHRINK_IN_LOOP = saved
         torch.cuda.empty_cache()
 
 

@@ -13,8 +13,6 @@
 #                                               bench_lora_kernels --tune-prefill (the shrink's and expand's tile sweep)
 #   bash benchmarks/gpu/run_device.sh prefill-tune   # only the sweep (and the 4096-token rows after it)
 #   bash benchmarks/gpu/run_device.sh prefill-check  # every GPU test, then the 4096-token rows
-#   bash benchmarks/gpu/run_device.sh inloop    # the shrink in the GEMM's K loop: decode_linear + LoRA kernel tests; if they
-#                                               pass, --matrix rows with and without it, and bench_e2e Llama-8B with it
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16, shared memory
 set -uo pipefail
@@ -63,13 +61,6 @@ for stage in "$@"; do
             ;;
         prefill-tune)
             timeout 420 python3 benchmarks/gpu/bench_lora_kernels.py --tune-prefill --prefill-only --json "$OUT/prefill_tuned.json" 2>&1 | tee "$OUT/prefill_tuned.txt" | grep -v "^|---"
-            ;;
-        inloop)
-            timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py 2>&1 | tail -5 | tee "$OUT/lora_tests.txt"
-            if grep -q "passed" "$OUT/lora_tests.txt" && ! grep -q "failed\|error" "$OUT/lora_tests.txt"; then
-                timeout 200 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA;shrink in the K loop;shrink in the K loop, bf16 LoRA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt"
-                LORASERVE_SHRINK_IN_LOOP=1 timeout 170 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e_8b_inloop.json" 2>&1 | tee "$OUT/e2e_8b_inloop.txt" | grep -A6 "^| model"
-            fi
             ;;
         trace)
             timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"

@@ -69,7 +69,6 @@ import triton
 import triton.language as tl
 
 from loraserve.lora.ops.triton.expand_block import block_delta, slots_per_chunk
-from loraserve.lora.ops.triton.loop_shrink import MAX_PLANES, ROWS, active_slots, store_unit, unit_of
 from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, pdl_link, persistent_buffer, tl_dtype
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
@@ -88,29 +87,18 @@ class DecodeTiles:
 
 
 @dataclass
-class LoopShrink:
-    """The shrink computed in the GEMM's K loop (loop_shrink.py) instead of by ``lora_shrink``: A per
-    slice (S, 1, R, K), contiguous along K, in B's dtype; ranks (S,) int32 on the device."""
-
-    lora_a: tuple[torch.Tensor, ...]
-    ranks: torch.Tensor
-
-
-@dataclass
 class ExpandEpilogue:
     """What the epilogue needs: the shrink's partials and the slots' B.
 
     buf: (SPLIT_K, n_slices, M, R) fp32 from ``lora_shrink``: every column written for the tokens with a
-    slot (zeros past its rank); rows of base tokens may hold anything (never used); or None with
-    ``shrink`` (the GEMM computes s itself). lora_b: per slice (S, 1, N_i, R), contiguous. token_slots:
-    (M,) int on the device, -1 = base.
+    slot (zeros past its rank); rows of base tokens may hold anything (never used). lora_b: per slice
+    (S, 1, N_i, R), contiguous. token_slots: (M,) int on the device, -1 = base.
     """
 
-    buf: torch.Tensor | None
+    buf: torch.Tensor
     lora_b: tuple[torch.Tensor, ...]
     token_slots: torch.Tensor
     pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
-    shrink: LoopShrink | None = None
 
 
 # NOTE: a register cap on the LoRA variant (the maxnreg launch option, 168) was timed on the H200 (session
@@ -198,10 +186,8 @@ def _epilogue(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PAST_L1: tl.constexpr,
 ):
-    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored.
-    PAST_L1: buf was written by other programs of this launch (the in-loop shrink's units)."""
+    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -218,7 +204,6 @@ def _epilogue(
             pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
             stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
-            PAST_L1,
         )  # fmt: skip
         y = (y.to(tl.float32) + delta).to(out_dt)
 
@@ -228,17 +213,9 @@ def _epilogue(
 
 
 
-@triton.jit
-def _wait_units(sync_ptr, published):
-    """Spin until ``published`` units of the in-loop shrink are in buf (acquire: their stores are seen)."""
-    seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-    while seen < published:
-        seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-
-
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
 # of 16 and vectorizes the loads; only M (the token count) is a runtime value.
-@triton.jit(do_not_specialize=["M", "S", "SPLIT_K", "HOLD_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
 def _decode_linear_kernel(
     x_ptr,
     w_ptr,
@@ -290,30 +267,10 @@ def _decode_linear_kernel(
     USE_PDL: tl.constexpr,
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
     WAIT_FIRST: tl.constexpr,  # (PDL_CHAIN) wait for the kernel before us before reading x
-    # the shrink in the K loop (IN_LOOP; loop_shrink.py): A per slice (S, 1, R, K), ranks per slot, and
-    # int32 sync (3,): units published, programs done, tickets (zero between launches)
-    la0_ptr,
-    la1_ptr,
-    la2_ptr,
-    stride_las,
-    stride_lar,
-    rank_ptr,
-    sync_ptr,
-    HOLD_PER_SPLIT,
-    IN_LOOP: tl.constexpr,
-    A_CDT: tl.constexpr,
-    RBLOCKS: tl.constexpr,
-    SPIN: tl.constexpr,  # wait for the units (False: the interpreter, which runs programs one by one)
 ):
     pid = tl.program_id(0)
     if PDL_CHAIN:
         pdl_link(WAIT_FIRST)
-    if IN_LOOP:
-        # roles by arrival (loop_shrink.py), taken after the wait: the launch before ours on this stream
-        # has finished and left the counters at zero; the last ticket puts its counter back
-        pid = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
-        if pid == tl.num_programs(0) - 1:
-            tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
     if SPLIT_W == 1:
         pid_n = pid
         k_lo = pid * 0
@@ -329,29 +286,6 @@ def _decode_linear_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if IN_LOOP:
-        slots, first, index, n_active = active_slots(slots_ptr, M, BLOCK_M)
-        steps = k_per_split // BLOCK_K
-        holds, u_slot, u_sl, u_r0, u_rank, chunk, chunks = unit_of(
-            pid_n, slots, first, index, n_active, rank_ptr, steps, HOLD_PER_SPLIT, NUM_SLICES, RBLOCKS,
-            MAX_PLANES // SPLIT_W,
-        )  # fmt: skip
-        per_chunk = tl.cdiv(steps, chunks) * BLOCK_K
-        ka = tl.where(holds, k_lo + chunk * per_chunk, 0)
-        kb = tl.where(holds, tl.minimum(k_hi, ka + per_chunk), 0)
-        offs_r = u_r0 + tl.arange(0, ROWS)
-        r_ok = offs_r < u_rank
-        if NUM_SLICES == 1:
-            la_ptr = la0_ptr
-        else:
-            if u_sl == 0:
-                la_ptr = la0_ptr
-            elif u_sl == 1:
-                la_ptr = la1_ptr
-            else:
-                la_ptr = la2_ptr
-        a_ptrs = la_ptr + u_slot.to(tl.int64) * stride_las + offs_r[:, None] * stride_lar + (k_lo + offs_k)[None, :]
-        acc_s = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             if EVEN_N:
@@ -367,32 +301,15 @@ def _decode_linear_kernel(
             acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)), input_precision="ieee")
         else:
             acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)))
-        if IN_LOOP:
-            kk = k + offs_k
-            a = tl.load(a_ptrs, mask=r_ok[:, None] & ((kk >= ka) & (kk < kb))[None, :], other=0.0)
-            acc_s += tl.dot(a.to(A_CDT), tl.trans(xt.to(A_CDT)))
-            a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
-    n_planes = SPLIT_K
-    if IN_LOOP:
-        # publish this program's unit (all threads' stores, a CTA barrier, one release at GPU scope)
-        if holds:
-            store_unit(acc_s, buf_ptr, (pid % SPLIT_W) * chunks + chunk, u_sl, u_r0, u_slot, slots, M, R,
-                       stride_bsp, stride_bi, stride_bm, BLOCK_M)  # fmt: skip
-            tl.debug_barrier()
-            tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-        n_planes = SPLIT_W * chunks
-
     if SPLIT_W == 1:
-        if IN_LOOP and SPIN:
-            _wait_units(sync_ptr, SPLIT_W * n_active * NUM_SLICES * RBLOCKS * chunks)
         _epilogue(
             acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
-            S, n_planes, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+            S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, IN_LOOP,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
@@ -410,38 +327,12 @@ def _decode_linear_kernel(
             for sp in tl.static_range(SPLIT_W):
                 total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            if IN_LOOP and SPIN:
-                _wait_units(sync_ptr, SPLIT_W * n_active * NUM_SLICES * RBLOCKS * chunks)
             _epilogue(
                 total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
-                S, n_planes, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+                S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, IN_LOOP,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
-    if IN_LOOP:
-        # the last program done puts the published and done counters back to zero (all are past their wait)
-        done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def loop_hold_per_split(device: torch.device, tiles: DecodeTiles, N: int) -> int:
-    """The most programs of one K split that may hold an in-loop shrink unit: together at most one per
-    SM (loop_shrink.py: every holder must be resident before any program waits for them)."""
-    programs = triton.cdiv(N, tiles.block_n) * tiles.split_k
-    if device.type == "cuda" and not _interpreted():
-        programs = min(programs, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
-    return programs // tiles.split_k
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _block_m(M: int) -> int:
@@ -492,33 +383,12 @@ def decode_linear(
         R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
     )
     pdl = False
-    loop_args = dict(la0_ptr=x, la1_ptr=x, la2_ptr=x, stride_las=0, stride_lar=0, rank_ptr=x, sync_ptr=x, HOLD_PER_SPLIT=0)
-    loop_consts = dict(IN_LOOP=False, A_CDT=tl.float32, RBLOCKS=1, SPIN=True)
     if lora is not None:
         b0 = lora.lora_b[0]
         n_sl = len(lora.lora_b)
-        R = b0.shape[3]
-        if lora.shrink is not None:
-            assert lora.buf is None, "the in-loop shrink writes its own buf"
-            a0 = lora.shrink.lora_a[0]
-            assert len(lora.shrink.lora_a) == n_sl and a0.shape == (b0.shape[0], 1, R, K)
-            for a in lora.shrink.lora_a:
-                assert a.dtype == a0.dtype and a.stride() == a0.stride() and a.stride(3) == 1
-            # (zeros under the interpreter, whose first launch reads it unwritten: see the launch below)
-            new = torch.zeros if _interpreted() else torch.empty
-            buf = new(MAX_PLANES.value, n_sl, M, R, dtype=torch.float32, device=x.device)
-            a1 = lora.shrink.lora_a[1] if n_sl > 1 else a0
-            a2 = lora.shrink.lora_a[2] if n_sl > 2 else a0
-            sync = persistent_buffer(x.device, "decode_linear/in_loop_sync", 3)
-            loop_args = dict(la0_ptr=a0, la1_ptr=a1, la2_ptr=a2, stride_las=a0.stride(0), stride_lar=a0.stride(2),
-                             rank_ptr=lora.shrink.ranks, sync_ptr=sync, HOLD_PER_SPLIT=loop_hold_per_split(x.device, tiles, N))  # fmt: skip
-            loop_consts = dict(IN_LOOP=True, A_CDT=tl_dtype(compute_dtype_of(x.dtype, a0.dtype)),
-                               RBLOCKS=triton.cdiv(R, ROWS.value), SPIN=not _interpreted())  # fmt: skip
-        else:
-            buf = lora.buf
-        split, n_buf, m_buf, R = buf.shape
-        assert 1 <= n_sl <= 3 and n_buf == n_sl and m_buf == M, f"buf {tuple(buf.shape)} does not fit"
-        assert buf.dtype == torch.float32 and buf.stride(3) == 1
+        split, n_buf, m_buf, R = lora.buf.shape
+        assert 1 <= n_sl <= 3 and n_buf == n_sl and m_buf == M, f"buf {tuple(lora.buf.shape)} does not fit"
+        assert lora.buf.dtype == torch.float32 and lora.buf.stride(3) == 1
         sizes = [b.shape[2] for b in lora.lora_b]
         assert sum(sizes) == N and all(n % tiles.block_n == 0 for n in sizes), (
             f"slices {sizes} must sum to N={N} and be multiples of block_n={tiles.block_n}"
@@ -531,9 +401,9 @@ def decode_linear(
         b2 = lora.lora_b[2] if n_sl > 2 else b0
         lcdt = compute_dtype_of(torch.float32 if b0.dtype == torch.float32 else b0.dtype, b0.dtype)
         lora_args = (
-            buf, b0, b1, b2, lora.token_slots, b0.shape[0], split,
+            lora.buf, b0, b1, b2, lora.token_slots, b0.shape[0], split,
             sizes[0], sizes[1] if n_sl > 1 else 0,
-            buf.stride(0), buf.stride(1), buf.stride(2),
+            lora.buf.stride(0), lora.buf.stride(1), lora.buf.stride(2),
             b0.stride(0), b1.stride(0), b2.stride(0),
         )  # fmt: skip
         block_r = max(16, triton.next_power_of_2(R))
@@ -542,7 +412,7 @@ def decode_linear(
             R=R, NUM_SLICES=n_sl, BLOCK_R=block_r, SLOTS_PER_CHUNK=per_chunk, RED=min(triton.next_power_of_2(split), 16), LORA_WDT=tl_dtype(b0.dtype),
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
-        pdl = lora.pdl and lora.shrink is None
+        pdl = lora.pdl
     chain = pdl_chain(x.device)
     block_m = _block_m(M)
     n_blocks = triton.cdiv(N, tiles.block_n)
@@ -552,12 +422,10 @@ def decode_linear(
     if split > 1:
         ws = persistent_buffer(x.device, "decode_linear/partials", split * n_blocks * tiles.block_n * block_m, torch.float32)
         cnt = persistent_buffer(x.device, "decode_linear/arrivals", n_blocks)
-    grid = (n_blocks * split,)
-    args = (
+    _decode_linear_kernel[(n_blocks * split,)](
         x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
-        x.stride(0), weight.stride(0), y.stride(0), *lora_args,
-    )  # fmt: skip
-    consts = dict(
+        x.stride(0), weight.stride(0), y.stride(0),
+        *lora_args,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
         EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
@@ -567,12 +435,5 @@ def decode_linear(
         USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain,
         **lora_consts,
-        **loop_args,
-        **loop_consts,
     )  # fmt: skip
-    _decode_linear_kernel[grid](*args, **consts)
-    if loop_consts["IN_LOOP"] and not loop_consts["SPIN"]:
-        # NOTE: the interpreter runs programs one after another, so none may wait there for the in-loop
-        # shrink's units (SPIN off): the first launch writes them, this one reads them (the same values)
-        _decode_linear_kernel[grid](*args, **consts)
     return y

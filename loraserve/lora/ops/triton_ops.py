@@ -16,7 +16,6 @@ import os
 import torch
 
 from loraserve.layers import triton_decode_linear as decode
-from loraserve.lora.ops.triton import loop_shrink
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
@@ -28,26 +27,11 @@ from loraserve.lora.punica import SegmentMeta
 # still holding two of down's fp32 shrink programs (2 x 64 KB) a GEMM program does not fit until one
 # retires. Fewer stages (96 KB at 4, 72 at 3) let it start beside them. Not yet timed (session 9).
 LORA_GEMM_STAGES = int(os.environ.get("LORASERVE_LORA_GEMM_STAGES", "0"))
-# Knob (LORASERVE_SHRINK_IN_LOOP=1; --matrix sweeps it): the decode shrink computed in the GEMM's K loop
-# (loop_shrink.py), no shrink launch. Off until timed (session 10).
-SHRINK_IN_LOOP = os.environ.get("LORASERVE_SHRINK_IN_LOOP", "0") == "1"
-_SMEM = 224 * 1024  # an H100/H200 SM's shared memory for programs (227 KB less a margin)
 
 
-def lora_tiles(tiles: decode.DecodeTiles, in_loop_a: torch.dtype | None = None, M: int = 32) -> decode.DecodeTiles:
-    """The tiles of a GEMM with the LoRA epilogue: the base GEMM's, with LORA_GEMM_STAGES if set. With the
-    shrink in its loop (A of dtype ``in_loop_a``), each stage also holds a unit's tile of A: the stages
-    drop until as many programs fit on an SM as without it (gate_up: 2 at 4 stages with bf16 A, 3 with
-    fp32 A)."""
-    stages = LORA_GEMM_STAGES or tiles.num_stages
-    if in_loop_a is not None and not LORA_GEMM_STAGES:
-        bm = 16 if M <= 16 else 32
-        base = (tiles.block_n + bm) * tiles.block_k * 2
-        extra = loop_shrink.ROWS.value * tiles.block_k * in_loop_a.itemsize
-        fit = _SMEM // (tiles.num_stages * base)
-        while stages > 2 and _SMEM // (stages * (base + extra)) < fit:
-            stages -= 1
-    return dataclasses.replace(tiles, num_stages=stages) if stages != tiles.num_stages else tiles
+def lora_tiles(tiles: decode.DecodeTiles) -> decode.DecodeTiles:
+    """The tiles of a GEMM with the LoRA epilogue: the base GEMM's, with LORA_GEMM_STAGES if set."""
+    return dataclasses.replace(tiles, num_stages=LORA_GEMM_STAGES) if LORA_GEMM_STAGES else tiles
 
 
 class TritonLoRAOps:
@@ -127,15 +111,6 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
-        a0 = lora_a_stacked[0]
-        if SHRINK_IN_LOOP and loop_shrink.max_units(
-            x.shape[0], a0.shape[0], len(slices), a0.shape[2]
-        ) <= decode.loop_hold_per_split(x.device, tiles, weight.shape[0]):
-            # no shrink launch: the GEMM's first programs compute s in their K loop
-            tiles = lora_tiles(tiles, a0.dtype, x.shape[0])
-            shrink = decode.LoopShrink(lora_a_stacked, rank_dev)
-            epilogue = decode.ExpandEpilogue(None, lora_b_stacked, token_slots, shrink=shrink)
-            return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
         tiles = lora_tiles(tiles)
         # zero_fill: the epilogue loads no rank, so every column of a LoRA token's row must be written
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
