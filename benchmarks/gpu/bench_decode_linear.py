@@ -180,6 +180,15 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "LoRA GEMM 3 stages": ("3 K steps (72 KB)", {"lora_stages": 3}),
     "shrink K blocks 128": ("the decode shrink's programs take K blocks of 128 (256 past 8192): half the shared "
                             "memory, twice the programs", {"block_k": (128, 256)}),
+    "B to L2 2 steps ahead": ("each LoRA'd GEMM program pulls its epilogue's B into L2 2 K steps before its loop "
+                              "ends (PREFETCH_B_AHEAD)", {"pf_ahead": 2}),
+    "B to L2 4 steps ahead": ("the same, 4 K steps before", {"pf_ahead": 4}),
+    "B to L2 4 steps ahead, bf16 LoRA": ("the same with bf16 A and B", {"pf_ahead": 4, "lora_dtype": torch.bfloat16}),
+    "shrink fused slices": ("the decode shrink computes every slice of its tile in one program (DECODE_FUSE_SLICES)",
+                            {"fuse_decode": True}),
+    "shrink fused slices, bf16 LoRA": ("the same with bf16 A and B", {"fuse_decode": True, "lora_dtype": torch.bfloat16}),
+    "both, bf16 LoRA": ("B to L2 4 steps ahead and the fused-slice shrink, bf16 A and B",
+                        {"pf_ahead": 4, "fuse_decode": True, "lora_dtype": torch.bfloat16}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
     # {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)} (session 6); the delta in a launch
     # of its own after the GEMM (session 7, commit bfb8465); the delta as more K columns of the GEMM (2fab3e5),
@@ -212,7 +221,8 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, triton_ops.LORA_GEMM_STAGES)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, triton_ops.LORA_GEMM_STAGES, dl.PREFETCH_B_AHEAD,
+             shrink_mod.DECODE_FUSE_SLICES)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -224,6 +234,8 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
         triton_ops.LORA_GEMM_STAGES = knobs.get("lora_stages", saved[7])
+        dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[8])
+        shrink_mod.DECODE_FUSE_SLICES = knobs.get("fuse_decode", saved[9])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -243,8 +255,8 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
                   f"{t_fus:.1f} | {t_fus - t_ours:.1f} | {err:.1e} |", flush=True)  # fmt: skip
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
-        (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN,
-         expand_block.MMA_COLUMNS, triton_ops.LORA_GEMM_STAGES) = saved[3:8]  # fmt: skip
+        (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
+         triton_ops.LORA_GEMM_STAGES, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES) = saved[3:10]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

@@ -68,8 +68,22 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.expand_block import block_delta, slots_per_chunk
-from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, pdl_link, persistent_buffer, tl_dtype
+from loraserve.lora.ops.triton.expand_block import block_delta, lora_slice, slots_per_chunk
+from loraserve.lora.ops.triton.utils import (
+    compute_dtype_of,
+    pdl_chain,
+    pdl_link,
+    persistent_buffer,
+    prefetch_l2,
+    tl_dtype,
+)
+
+# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_PREFETCH_B_AHEAD=n sets it):
+# n K steps before the end of its K loop, each LoRA'd program pulls its epilogue's B into L2 (0: off). The
+# epilogue on a ready buffer costs 1.8-5.8 µs an op (H200, session 10, bf16 B) where B's bytes take
+# 0.3-1.7: mostly its load's DRAM latency after the loop. Session 8 pulled B before the K loop (commit
+# cf605f9) and was slower; here the pull comes late, behind the last steps' loads. Not yet timed.
+PREFETCH_B_AHEAD = int(os.environ.get("LORASERVE_PREFETCH_B_AHEAD", "0"))
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 
@@ -213,6 +227,20 @@ def _epilogue(
 
 
 
+@triton.jit
+def _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R: tl.constexpr,
+                NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, PF_SLOTS: tl.constexpr, PF_LINES: tl.constexpr):  # fmt: skip
+    """Pull into L2 the B that this column block's epilogue will load (every slot's BLOCK_N x R, contiguous
+    per slot), so that the epilogue meets L2's latency, not DRAM's."""
+    sl, b_ptr, stride_ws, n_loc0 = lora_slice(
+        pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N
+    )
+    per_line: tl.constexpr = BLOCK_N * R // PF_LINES  # elements of B per 128-byte line
+    offs = tl.arange(0, PF_SLOTS * PF_LINES)
+    j = tl.minimum(offs // PF_LINES, S - 1)
+    prefetch_l2(b_ptr + j.to(tl.int64) * stride_ws + n_loc0 * R + (offs % PF_LINES) * per_line)
+
+
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
 # of 16 and vectorizes the loads; only M (the token count) is a runtime value.
 @triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
@@ -267,6 +295,9 @@ def _decode_linear_kernel(
     USE_PDL: tl.constexpr,
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
     WAIT_FIRST: tl.constexpr,  # (PDL_CHAIN) wait for the kernel before us before reading x
+    PF_AHEAD: tl.constexpr,  # (HAS_LORA) K steps before the loop's end at which B is pulled into L2 (0: never)
+    PF_SLOTS: tl.constexpr,  # slots whose B is pulled (a power of 2 >= S)
+    PF_LINES: tl.constexpr,  # 128-byte lines of one slot's B for this block's columns (a power of 2)
 ):
     pid = tl.program_id(0)
     if PDL_CHAIN:
@@ -286,7 +317,13 @@ def _decode_linear_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PF_AHEAD > 0:  # the K step at which this program pulls its epilogue's B into L2
+        k_pf = k_lo + tl.maximum(tl.cdiv(k_hi - k_lo, BLOCK_K) - PF_AHEAD, 0) * BLOCK_K
     for k in range(k_lo, k_hi, BLOCK_K):
+        if PF_AHEAD > 0:
+            if k == k_pf:
+                _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S,
+                            R, NUM_SLICES, BLOCK_N, PF_SLOTS, PF_LINES)  # fmt: skip
         if EVEN_K:
             if EVEN_N:
                 w = tl.load(w_ptrs)
@@ -383,6 +420,7 @@ def decode_linear(
         R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
     )
     pdl = False
+    pf = dict(PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1)
     if lora is not None:
         b0 = lora.lora_b[0]
         n_sl = len(lora.lora_b)
@@ -413,6 +451,9 @@ def decode_linear(
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl
+        if PREFETCH_B_AHEAD and (pdl_chain(x.device) or pdl):  # the GPU (no inline PTX under the interpreter)
+            pf = dict(PF_AHEAD=PREFETCH_B_AHEAD, PF_SLOTS=triton.next_power_of_2(b0.shape[0]),
+                      PF_LINES=triton.next_power_of_2(max(1, tiles.block_n * R * b0.element_size() // 128)))  # fmt: skip
     chain = pdl_chain(x.device)
     block_m = _block_m(M)
     n_blocks = triton.cdiv(N, tiles.block_n)
@@ -434,6 +475,7 @@ def decode_linear(
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
         USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain,
+        **pf,
         **lora_consts,
     )  # fmt: skip
     return y

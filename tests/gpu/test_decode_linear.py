@@ -170,6 +170,40 @@ def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K, columns, st
         assert torch.equal(y, decode_linear(x, w))
 
 
+@pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["shrink-slice-a-program", "shrink-all-slices"])
+@pytest.mark.parametrize("ahead", [0, 2, 64], ids=["no-b-pull", "b-pull-2-steps-ahead", "b-pull-at-start"])
+def test_linear_with_lora_knobs_keep_the_numbers(K, fuse, ahead, monkeypatch):
+    """The decode shrink computing every slice in one program (lora_shrink.DECODE_FUSE_SLICES) and the
+    GEMM pulling its epilogue's B into L2 some K steps before its loop ends (PREFETCH_B_AHEAD; on the
+    GPU only, the interpreter runs no inline PTX; 64 steps: at the loop's start) give what the unfused
+    path gives."""
+    from loraserve.layers import triton_decode_linear as dl
+    from loraserve.lora.ops.triton import lora_shrink as shrink_mod
+
+    monkeypatch.setattr(shrink_mod, "DECODE_FUSE_SLICES", fuse)
+    monkeypatch.setattr(dl, "PREFETCH_B_AHEAD", ahead)
+    g = torch.Generator().manual_seed(K + ahead)
+    M, outs, S, R = 12, (128, 64, 64), 4, 16
+    ranks = [16, 0, 16, 4]
+    x = torch.randn(M, K, generator=g).to(DEV, torch.float16)
+    w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
+    As, Bs = lora_stacks(g, S, R, K, outs, ranks, torch.float32)
+    slots = [t % S if t < 9 else -1 for t in range(M)]
+    mapping = LoRAMapping.build(slots, slots, DEV)
+    meta = mapping.token_meta or SegmentMeta.build(
+        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
+    )
+    ops = TritonLoRAOps(DEV)
+    y = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
+    ref = decode_linear(x, w)
+    ops.add_lora_linear(ref, x, As, Bs, ranks, meta)
+    assert rel_err(y, ref) < 1e-2
+    base_rows = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
+    assert torch.equal(y[base_rows], decode_linear(x, w)[base_rows])
+    assert not torch.equal(y, decode_linear(x, w))
+
+
 @pytest.mark.parametrize("M", [1, 16, 17, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_linear_base_matches_torch(M, dtype):

@@ -26,6 +26,7 @@ every slice of its tile and loads each tile of x once for all of them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -261,6 +262,9 @@ def _lora_shrink_kernel(
 # Tuning knobs (module attributes, so that benchmarks/gpu/bench_decode_linear.py --matrix can sweep them):
 DECODE_BLOCK_K = (256, 512)  # the decode K block for K <= 8192 and beyond
 PREFETCH_A = True  # at decode sizes, load the tile of A before the PDL wait
+# at decode sizes, a program computes every slice of its tile (x loaded once; a third of the programs for
+# qkv, half for gate_up) and loads A after the PDL wait; LORASERVE_SHRINK_FUSE_DECODE=1. Not yet timed
+DECODE_FUSE_SLICES = os.environ.get("LORASERVE_SHRINK_FUSE_DECODE", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -369,7 +373,7 @@ def lora_shrink(
     # zero_fill: the rank axis covers all R columns, not max_rank (programs past a slot's rank store zeros)
     n_rblocks = triton.cdiv(R if zero_fill else max(max_rank, 1), block_r)
     tiles = _prefill_tiles(n)
-    fuse = meta.max_seg_len > 32 and tiles.fuse_slices and n > 1
+    fuse = n > 1 and (tiles.fuse_slices if meta.max_seg_len > 32 else DECODE_FUSE_SLICES)
     block_m, block_k, split = _pick_blocks(meta, 1 if fuse else n, n_rblocks, K, tiles)
     buf = _new_buf((split, n, T, R), x.device)
     if meta.num_segs == 0 or T == 0:

@@ -55,6 +55,15 @@ def pdl_link(WAIT: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ``ptrs`` (one per element) without waiting or using registers
+    (GPU only: inline PTX, which the Triton interpreter cannot run)."""
+    tl.inline_asm_elementwise(
+        "mov.b32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
 @functools.cache
 def _pdl_on(index: int) -> bool:
     return os.environ.get("LORASERVE_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
