@@ -180,15 +180,16 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "LoRA GEMM 3 stages": ("3 K steps (72 KB)", {"lora_stages": 3}),
     "shrink K blocks 128": ("the decode shrink's programs take K blocks of 128 (256 past 8192): half the shared "
                             "memory, twice the programs", {"block_k": (128, 256)}),
+    # (the default takes the next two for half-precision A and B only)
     "B to L2 2 steps ahead": ("each LoRA'd GEMM program pulls its epilogue's B into L2 2 K steps before its loop "
                               "ends (PREFETCH_B_AHEAD)", {"pf_ahead": 2}),
-    "B to L2 4 steps ahead": ("the same, 4 K steps before", {"pf_ahead": 4}),
-    "B to L2 4 steps ahead, bf16 LoRA": ("the same with bf16 A and B", {"pf_ahead": 4, "lora_dtype": torch.bfloat16}),
     "shrink fused slices": ("the decode shrink computes every slice of its tile in one program (DECODE_FUSE_SLICES)",
                             {"fuse_decode": True}),
-    "shrink fused slices, bf16 LoRA": ("the same with bf16 A and B", {"fuse_decode": True, "lora_dtype": torch.bfloat16}),
-    "both, bf16 LoRA": ("B to L2 4 steps ahead and the fused-slice shrink, bf16 A and B",
-                        {"pf_ahead": 4, "fuse_decode": True, "lora_dtype": torch.bfloat16}),
+    "bf16 LoRA, neither": ("bf16 A and B, no B pull, a slice a shrink program (session 9's default)",
+                           {"pf_ahead": 0, "fuse_decode": False, "lora_dtype": torch.bfloat16}),
+    "bf16 LoRA, B 8 steps ahead": ("bf16 A and B, B pulled 8 K steps before the end", {"pf_ahead": 8, "lora_dtype": torch.bfloat16}),
+    "bf16 LoRA, shrink K blocks 256/1024": ("bf16 A and B, down's decode shrink on K blocks of 1024 (half the programs)",
+                                            {"block_k": (256, 1024), "lora_dtype": torch.bfloat16}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
     # {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)} (session 6); the delta in a launch
     # of its own after the GEMM (session 7, commit bfb8465); the delta as more K columns of the GEMM (2fab3e5),

@@ -78,12 +78,23 @@ from loraserve.lora.ops.triton.utils import (
     tl_dtype,
 )
 
-# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_PREFETCH_B_AHEAD=n sets it):
-# n K steps before the end of its K loop, each LoRA'd program pulls its epilogue's B into L2 (0: off). The
-# epilogue on a ready buffer costs 1.8-5.8 µs an op (H200, session 10, bf16 B) where B's bytes take
-# 0.3-1.7: mostly its load's DRAM latency after the loop. Session 8 pulled B before the K loop (commit
-# cf605f9) and was slower; here the pull comes late, behind the last steps' loads. Not yet timed.
-PREFETCH_B_AHEAD = int(os.environ.get("LORASERVE_PREFETCH_B_AHEAD", "0"))
+# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_PREFETCH_B_AHEAD=n sets it; None:
+# by B's dtype, ``prefetch_ahead``): n K steps before the end of its K loop, each LoRA'd program pulls its
+# epilogue's B into L2 (0: never). The epilogue on a ready buffer costs 1.9-5.3 µs an op (H200, session
+# 10, bf16 B) where B's bytes take 0.3-1.7: mostly its load's latency after the loop. Timed (session 10,
+# --matrix, LoRA cost per layer): bf16 B 17.5 vs 17.9 µs at 4 steps; fp32 B 27.6 at 4 and 27.3 at 2 vs
+# 24.9 (its B is twice the lines), so it is on for half-precision B only. Session 8 pulled B before the K
+# loop (commit cf605f9), slower.
+_PF_ENV = os.environ.get("LORASERVE_PREFETCH_B_AHEAD")
+PREFETCH_B_AHEAD: int | None = int(_PF_ENV) if _PF_ENV else None
+
+
+def prefetch_ahead(b_dtype: torch.dtype) -> int:
+    """The K steps before the loop's end at which B of this dtype is pulled into L2 (PREFETCH_B_AHEAD)."""
+    if PREFETCH_B_AHEAD is not None:
+        return PREFETCH_B_AHEAD
+    return 0 if b_dtype == torch.float32 else 4
+
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 
@@ -451,8 +462,9 @@ def decode_linear(
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl
-        if PREFETCH_B_AHEAD and (pdl_chain(x.device) or pdl):  # the GPU (no inline PTX under the interpreter)
-            pf = dict(PF_AHEAD=PREFETCH_B_AHEAD, PF_SLOTS=triton.next_power_of_2(b0.shape[0]),
+        ahead = prefetch_ahead(b0.dtype)
+        if ahead and (pdl_chain(x.device) or pdl):  # the GPU (no inline PTX under the interpreter)
+            pf = dict(PF_AHEAD=ahead, PF_SLOTS=triton.next_power_of_2(b0.shape[0]),
                       PF_LINES=triton.next_power_of_2(max(1, tiles.block_n * R * b0.element_size() // 128)))  # fmt: skip
     chain = pdl_chain(x.device)
     block_m = _block_m(M)

@@ -260,11 +260,20 @@ def _lora_shrink_kernel(
 
 
 # Tuning knobs (module attributes, so that benchmarks/gpu/bench_decode_linear.py --matrix can sweep them):
-DECODE_BLOCK_K = (256, 512)  # the decode K block for K <= 8192 and beyond
+# the decode K block for K <= 8192 and beyond (LORASERVE_SHRINK_DECODE_BLOCK_K="256,512" sets it)
+DECODE_BLOCK_K = tuple(int(v) for v in os.environ.get("LORASERVE_SHRINK_DECODE_BLOCK_K", "256,512").split(","))
 PREFETCH_A = True  # at decode sizes, load the tile of A before the PDL wait
-# at decode sizes, a program computes every slice of its tile (x loaded once; a third of the programs for
-# qkv, half for gate_up) and loads A after the PDL wait; LORASERVE_SHRINK_FUSE_DECODE=1. Not yet timed
-DECODE_FUSE_SLICES = os.environ.get("LORASERVE_SHRINK_FUSE_DECODE", "0") == "1"
+# At decode sizes, whether a program computes every slice of its tile (x loaded once; a third of the
+# programs for qkv, half for gate_up; A loaded after the PDL wait). None: for half-precision A only.
+# Timed (H200, session 10, --matrix, LoRA cost per layer of the fused op): bf16 A 16.4 vs 17.9 µs; fp32
+# A 27.9 vs 24.9 (qkv 7.8 vs 5.0: the tile of fp32 A it loads after the wait is twice the bytes).
+# LORASERVE_SHRINK_FUSE_DECODE=1 / 0 forces it.
+_FUSE_ENV = os.environ.get("LORASERVE_SHRINK_FUSE_DECODE")
+DECODE_FUSE_SLICES: bool | None = _FUSE_ENV == "1" if _FUSE_ENV else None
+
+
+def _fuse_decode(a_dtype: torch.dtype) -> bool:
+    return DECODE_FUSE_SLICES if DECODE_FUSE_SLICES is not None else a_dtype != torch.float32
 
 
 @dataclass(frozen=True)
@@ -373,7 +382,7 @@ def lora_shrink(
     # zero_fill: the rank axis covers all R columns, not max_rank (programs past a slot's rank store zeros)
     n_rblocks = triton.cdiv(R if zero_fill else max(max_rank, 1), block_r)
     tiles = _prefill_tiles(n)
-    fuse = n > 1 and (tiles.fuse_slices if meta.max_seg_len > 32 else DECODE_FUSE_SLICES)
+    fuse = n > 1 and (tiles.fuse_slices if meta.max_seg_len > 32 else _fuse_decode(a0.dtype))
     block_m, block_k, split = _pick_blocks(meta, 1 if fuse else n, n_rblocks, K, tiles)
     buf = _new_buf((split, n, T, R), x.device)
     if meta.num_segs == 0 or T == 0:
