@@ -66,12 +66,11 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
                        stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm,
                        R, NUM_SLICES: tl.constexpr, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, CDT: tl.constexpr,
-                       IEEE: tl.constexpr, USE_PDL: tl.constexpr, ONE_CHUNK: tl.constexpr, slot, seg, seg_start,
-                       seg_len, rank, rblock, split, pid_m):  # fmt: skip
-    """FUSE_SLICES: one program computes the tile (BLOCK_M tokens, BLOCK_R ranks, its K split) of every
-    slice, each tile of x loaded once for all of them; then the same stores and split sum as a one-slice
-    program, with one arrival for the slices together. ONE_CHUNK (decode): the tiles of A are loaded
-    before the PDL wait, as a one-slice program's."""
+                       IEEE: tl.constexpr, USE_PDL: tl.constexpr, slot, seg, seg_start, seg_len, rank, rblock,
+                       split, pid_m):  # fmt: skip
+    """FUSE_SLICES (prefill): one program computes the tile (BLOCK_M tokens, BLOCK_R ranks, its K split) of
+    every slice, each tile of x loaded once for all of them; then the same stores and split sum as a
+    one-slice program, with one arrival for the slices together."""
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_len
@@ -82,34 +81,13 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
     k_begin = split * k_per_split
     x_row = x_ptr + tok[:, None] * stride_xm
     a_off = slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar  # the slices share A's layout
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    if ONE_CHUNK:
-        kk = k_begin + offs_k
-        k_mask = kk < K
-        a_mask = k_mask[:, None] & r_mask[None, :]
-        a_k = a_off + kk[:, None] * stride_ak
-        at0 = tl.load(a0_ptr + a_k, mask=a_mask, other=0.0)
-        at1 = at0
-        at2 = at0
-        if NUM_SLICES > 1:
-            at1 = tl.load(a1_ptr + a_k, mask=a_mask, other=0.0)
-        if NUM_SLICES > 2:
-            at2 = tl.load(a2_ptr + a_k, mask=a_mask, other=0.0)
-        if USE_PDL:  # A is a weight: loaded while the kernel before finishes; x only after it has
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc0 = dot_in(xt, at0, CDT, IEEE)
-        if NUM_SLICES > 1:
-            acc1 = dot_in(xt, at1, CDT, IEEE)
-        if NUM_SLICES > 2:
-            acc2 = dot_in(xt, at2, CDT, IEEE)
-    elif USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    for k in range(0, k_per_split if not ONE_CHUNK else 0, BLOCK_K):
+    for k in range(0, k_per_split, BLOCK_K):
         kk = k_begin + k + offs_k
         k_mask = kk < K
         xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -273,7 +251,7 @@ def _lora_shrink_kernel(
         _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split,
                            stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi,
                            stride_bm, R, NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, CDT,
-                           IEEE, USE_PDL, ONE_CHUNK, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
+                           IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
     else:
         _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split, stride_xm,
                           stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
