@@ -175,11 +175,6 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
                            {"epi_cols": 32}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
     "no PDL": ("two ordinary launches", {"pdl": False}),
-    "LoRA GEMM 4 stages": ("the GEMM under the epilogue pipelines 4 K steps (96 KB of shared memory, not 120)",
-                           {"lora_stages": 4}),
-    "LoRA GEMM 3 stages": ("3 K steps (72 KB)", {"lora_stages": 3}),
-    "shrink K blocks 128": ("the decode shrink's programs take K blocks of 128 (256 past 8192): half the shared "
-                            "memory, twice the programs", {"block_k": (128, 256)}),
     # (the default takes the next two for half-precision A and B only)
     "B to L2 2 steps ahead": ("each LoRA'd GEMM program pulls its epilogue's B into L2 2 K steps before its loop "
                               "ends (PREFETCH_B_AHEAD)", {"pf_ahead": 2}),
@@ -195,7 +190,8 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     # of its own after the GEMM (session 7, commit bfb8465); the delta as more K columns of the GEMM (2fab3e5),
     # B pulled into L2 before the K loop (cf605f9), an x-ready flag instead of the shrink's trigger (a392f5b;
     # session 8); the LoRA variant capped at 168 registers, B through a 3-D block pointer, both, the shrink as
-    # the GEMM launch's first programs (8047943; session 9)
+    # the GEMM launch's first programs (8047943; session 9); the LoRA'd GEMM on 4 or 3 stages (32.7 and 49.5 vs
+    # 24.8 µs), the decode shrink on K blocks of 128 (26.0), the shrink in the GEMM's K loop (f17a878; session 10)
 }
 PARTS = ("default", "bf16 LoRA")  # configs whose cost is also split into shrink and epilogue
 
@@ -222,8 +218,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, triton_ops.LORA_GEMM_STAGES, dl.PREFETCH_B_AHEAD,
-             shrink_mod.DECODE_FUSE_SLICES)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -234,15 +229,14 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
         triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
-        triton_ops.LORA_GEMM_STAGES = knobs.get("lora_stages", saved[7])
-        dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[8])
-        shrink_mod.DECODE_FUSE_SLICES = knobs.get("fuse_decode", saved[9])
+        dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[7])
+        shrink_mod.DECODE_FUSE_SLICES = knobs.get("fuse_decode", saved[8])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
         for name, K, slices in SHAPES["llama-8b"][:4]:
             lc = Case(K, slices, 32, layers, lora_dtype=knobs.get("lora_dtype", torch.float32))
-            tiles = triton_ops.lora_tiles(dl.default_tiles(32, lc.N, K, torch.bfloat16))
+            tiles = dl.default_tiles(32, lc.N, K, torch.bfloat16)
             t_unf, t_fus = bench_lora(lc, ops, tiles)
             err = check(lc, ops, tiles)
             t_cublas, t_ours = base[name]
@@ -257,7 +251,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
-         triton_ops.LORA_GEMM_STAGES, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES) = saved[3:10]  # fmt: skip
+         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES) = saved[3:9]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

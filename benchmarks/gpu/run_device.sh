@@ -13,15 +13,10 @@
 #                                               bench_lora_kernels --tune-prefill (the shrink's and expand's tile sweep)
 #   bash benchmarks/gpu/run_device.sh prefill-tune   # only the sweep (and the 4096-token rows after it)
 #   bash benchmarks/gpu/run_device.sh prefill-check  # every GPU test, then the 4096-token rows
-#   bash benchmarks/gpu/run_device.sh knobs     # decode_linear + LoRA kernel tests, --matrix rows for B pulled into L2
-#                                               near the loop's end and the fused-slice decode shrink, then bench_e2e
-#                                               Llama-8B with the knobs whose bf16 rows beat the default by 0.3 µs a layer
 #   bash benchmarks/gpu/run_device.sh confirm   # every GPU test, --matrix rows around the bf16 defaults, bench_e2e both
 #                                               shapes without HF
-#   bash benchmarks/gpu/run_device.sh fuse      # LoRA kernel tests, --matrix rows of the fused-slice decode shrink (fp32 and
-#                                               bf16), bench_e2e Llama-8B (with it for fp32 A too where its row wins)
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
-#                                               timestamps per op), --matrix rows default, bf16, shared memory
+#                                               timestamps per op), --matrix rows default, bf16 (MATRIX_ROWS sets them)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -69,45 +64,15 @@ for stage in "$@"; do
         prefill-tune)
             timeout 420 python3 benchmarks/gpu/bench_lora_kernels.py --tune-prefill --prefill-only --json "$OUT/prefill_tuned.json" 2>&1 | tee "$OUT/prefill_tuned.txt" | grep -v "^|---"
             ;;
-        knobs)
-            timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py 2>&1 | tail -5 | tee "$OUT/lora_tests.txt"
-            timeout 200 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA;B to L2 2 steps ahead;B to L2 4 steps ahead;B to L2 4 steps ahead, bf16 LoRA;shrink fused slices;shrink fused slices, bf16 LoRA;both, bf16 LoRA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt"
-            env_knobs=$(python3 -c '
-import json, sys
-cost = {}
-for r in json.load(open(sys.argv[1]))["matrix"]:
-    cost[r["cfg"]] = cost.get(r["cfg"], 0.0) + r["cost_fused"]
-base = cost.get("bf16 LoRA", 1e9)
-env = []
-if cost.get("B to L2 4 steps ahead, bf16 LoRA", 1e9) < base - 0.3:
-    env.append("LORASERVE_PREFETCH_B_AHEAD=4")
-if cost.get("shrink fused slices, bf16 LoRA", 1e9) < base - 0.3:
-    env.append("LORASERVE_SHRINK_FUSE_DECODE=1")
-print(" ".join(env))' "$OUT/matrix.json" 2>/dev/null)
-            echo "bench_e2e with: ${env_knobs:-the defaults}" | tee "$OUT/e2e_knobs.txt"
-            env $env_knobs timeout 170 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e_8b.json" 2>&1 | tee "$OUT/e2e_8b.txt" | grep -A6 "^| model\|parity max\|greedy ids"
-            ;;
         confirm)
             timeout 220 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
             timeout 100 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA;bf16 LoRA, neither;bf16 LoRA, B 8 steps ahead;bf16 LoRA, shrink K blocks 256/1024" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt" | tail -8
             timeout 260 python3 benchmarks/gpu/bench_e2e.py --skip-hf --bf16-loras --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
             ;;
-        fuse)
-            timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"
-            timeout 120 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;shrink fused slices;bf16 LoRA;bf16 LoRA, neither" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt"
-            env_knobs=$(python3 -c '
-import json, sys
-cost = {}
-for r in json.load(open(sys.argv[1]))["matrix"]:
-    cost[r["cfg"]] = cost.get(r["cfg"], 0.0) + r["cost_fused"]
-print("LORASERVE_SHRINK_FUSE_DECODE=1" if cost.get("shrink fused slices", 1e9) < cost.get("default", 0) - 0.5 else "")' "$OUT/matrix.json" 2>/dev/null)
-            echo "bench_e2e with: ${env_knobs:-the defaults}" | tee "$OUT/e2e_knobs.txt"
-            env $env_knobs timeout 170 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e_8b.json" 2>&1 | tee "$OUT/e2e_8b.txt" | grep -A6 "^| model\|parity max\|greedy ids\|replay"
-            ;;
         trace)
             timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"
             timeout 120 python3 benchmarks/gpu/bench_decode_linear.py --trace "$OUT/traces" 2>&1 | tee "$OUT/trace.txt"
-            timeout 200 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "${MATRIX_ROWS:-default;bf16 LoRA;LoRA GEMM 4 stages;LoRA GEMM 3 stages;shrink K blocks 128}" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt"
+            timeout 200 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "${MATRIX_ROWS:-default;bf16 LoRA;bf16 LoRA, neither}" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt"
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"

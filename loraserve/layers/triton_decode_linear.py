@@ -46,6 +46,16 @@ of the PDL chain, its epilogue spinning until the shrink's programs were done) m
 gained: 8.4 vs 9.2 µs). Each shrink program held this kernel's shared memory (120 KB, a whole SM;
 benchmarks/gpu/kernel_resources.py), so the short GEMMs' programs spilled into a second wave. Removed.
 
+NOTE: the shrink inside this kernel's K loop (session 10, commit f17a878; no shrink launch at all: the
+first programs by arrival ticket each streamed one (16 ranks, K chunk) unit of A beside their W, one
+per SM at most, and every epilogue spun until the units were published) was correct (parity and
+greedy ids as the default) and slower: graph period per op with bf16 LoRA weights qkv 21.9 vs 18.8 µs,
+gate_up 74.1 vs 63.5; the 8-adapter step 1.52x the base (bf16 weights 1.24x). Kernel timestamps of the
+default path (``bench_decode_linear.py --trace``) show why a launch of its own is cheap here: the GEMM
+starts within 0.4 µs of the kernel before it ending, and the shrink runs beside its K loop. Most of
+the LoRA cost is this epilogue (on a ready buffer 11.6 of 17.8 µs a layer, bf16 B), which waits on its
+loads after the K loop.
+
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
 columns; with ``split_k`` > 1 several programs share one over slices of K, and the last to finish

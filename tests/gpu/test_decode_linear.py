@@ -136,18 +136,13 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces, m
 @pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
 @pytest.mark.parametrize("n_lora_tokens", [0, 5])
 @pytest.mark.parametrize("columns", [128, 32], ids=["one-mma", "mma-per-2-slots"])
-@pytest.mark.parametrize("stages", [0, 3], ids=["gemm-own-stages", "gemm-3-stages"])
-def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K, columns, stages, monkeypatch):
+def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K, columns, monkeypatch):
     """TritonLoRAOps.linear_with_lora (shrink, then the GEMM with the delta in its epilogue) equals the
     unfused path (GEMM, then add_lora_linear); a batch of base tokens only gets the base GEMM's bits.
-    The epilogue's MMA over every slot at once, or over 2 slots at a time (its knob); the GEMM's own
-    stages or 3 (triton_ops.LORA_GEMM_STAGES)."""
-    from loraserve.lora.ops import triton_ops
+    The epilogue's MMA over every slot at once, or over 2 slots at a time (its knob)."""
     from loraserve.lora.ops.triton import expand_block
 
     monkeypatch.setattr(expand_block, "MMA_COLUMNS", columns)
-    monkeypatch.setattr(triton_ops, "LORA_GEMM_STAGES", stages)
-    assert triton_ops.lora_tiles(default_tiles(12, 256, K, torch.float16)).num_stages == (stages or 5)
     g = torch.Generator().manual_seed(n_lora_tokens + K)
     M, outs, S, R = 12, (128, 64, 64), 4, 16
     assert default_tiles(M, sum(outs), K, torch.float16).split_k == (4 if K == 1024 else 1)

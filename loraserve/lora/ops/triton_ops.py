@@ -10,7 +10,6 @@ alone); it was dropped.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -20,18 +19,6 @@ from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
 from loraserve.lora.punica import SegmentMeta
-
-# Knob (a module attribute: --matrix sweeps it; LORASERVE_LORA_GEMM_STAGES sets it; 0: the tiles' own): the
-# pipeline stages of a GEMM that carries the LoRA epilogue. Offline (kernel_resources.py, sm_90), the decode
-# GEMM's 5 stages take 120 KB of shared memory and the decode shrink's programs 24-64 KB each: on an SM
-# still holding two of down's fp32 shrink programs (2 x 64 KB) a GEMM program does not fit until one
-# retires. Fewer stages (96 KB at 4, 72 at 3) let it start beside them. Not yet timed (session 9).
-LORA_GEMM_STAGES = int(os.environ.get("LORASERVE_LORA_GEMM_STAGES", "0"))
-
-
-def lora_tiles(tiles: decode.DecodeTiles) -> decode.DecodeTiles:
-    """The tiles of a GEMM with the LoRA epilogue: the base GEMM's, with LORA_GEMM_STAGES if set."""
-    return dataclasses.replace(tiles, num_stages=LORA_GEMM_STAGES) if LORA_GEMM_STAGES else tiles
 
 
 class TritonLoRAOps:
@@ -111,7 +98,6 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return decode.decode_linear(x, weight, bias, tiles=tiles)
-        tiles = lora_tiles(tiles)
         # zero_fill: the epilogue loads no rank, so every column of a LoRA token's row must be written
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
         # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no

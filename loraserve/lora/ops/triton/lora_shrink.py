@@ -20,7 +20,8 @@ the plane loads are latency nobody hides; here they are one program's tail per g
 At decode sizes each program's K range is a single block: its tile of A (weights, written before
 the forward) is loaded before the PDL wait, overlapping the previous kernel's tail; x is read after.
 Prefill (segments longer than 32 tokens) takes ``PREFILL``'s tiles, where by default a program owns
-every slice of its tile and loads each tile of x once for all of them.
+every slice of its tile and loads each tile of x once for all of them; at decode sizes so does a
+program of half-precision A (``DECODE_FUSE_SLICES``).
 
 """
 
@@ -267,7 +268,9 @@ PREFETCH_A = True  # at decode sizes, load the tile of A before the PDL wait
 # programs for qkv, half for gate_up; A loaded after the PDL wait). None: for half-precision A only.
 # Timed (H200, session 10, --matrix, LoRA cost per layer of the fused op): bf16 A 16.4 vs 17.9 µs; fp32
 # A 27.9 vs 24.9 (qkv 7.8 vs 5.0: the tile of fp32 A it loads after the wait is twice the bytes).
-# LORASERVE_SHRINK_FUSE_DECODE=1 / 0 forces it.
+# Loading its tiles of A before the wait (commit ebcc226) measured 17.1 with bf16 A and 24.5 with fp32 A
+# (the 8-adapter step 1.156x vs 1.159x, noise), and was reverted. LORASERVE_SHRINK_FUSE_DECODE=1 / 0
+# forces it.
 _FUSE_ENV = os.environ.get("LORASERVE_SHRINK_FUSE_DECODE")
 DECODE_FUSE_SLICES: bool | None = _FUSE_ENV == "1" if _FUSE_ENV else None
 
