@@ -180,11 +180,6 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
                               "ends (PREFETCH_B_AHEAD)", {"pf_ahead": 2}),
     "shrink fused slices": ("the decode shrink computes every slice of its tile in one program (DECODE_FUSE_SLICES)",
                             {"fuse_decode": True}),
-    "delta 4 steps ahead": ("the GEMM computes its LoRA delta 4 K steps before its loop ends (DELTA_AHEAD; qkv, o, down)",
-                            {"delta_ahead": 4}),
-    "bf16 LoRA, delta 4 steps ahead": ("the same with bf16 A and B", {"delta_ahead": 4, "lora_dtype": torch.bfloat16}),
-    "bf16 LoRA, delta 2 steps ahead": ("bf16 A and B, the delta 2 K steps before the end",
-                                       {"delta_ahead": 2, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, neither": ("bf16 A and B, no B pull, a slice a shrink program (session 9's default)",
                            {"pf_ahead": 0, "fuse_decode": False, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, B 8 steps ahead": ("bf16 A and B, B pulled 8 K steps before the end", {"pf_ahead": 8, "lora_dtype": torch.bfloat16}),
@@ -223,8 +218,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES,
-             dl.DELTA_AHEAD)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -237,7 +231,6 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
         dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[7])
         shrink_mod.DECODE_FUSE_SLICES = knobs.get("fuse_decode", saved[8])
-        dl.DELTA_AHEAD = knobs.get("delta_ahead", saved[9])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -258,7 +251,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
-         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES, dl.DELTA_AHEAD) = saved[3:10]  # fmt: skip
+         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES) = saved[3:9]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

@@ -34,8 +34,7 @@ SIXTEENS = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", "N0"
             "stride_bm", "stride_ws0", "stride_ws1", "stride_ws2"}  # fmt: skip
 
 
-def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0, pf_ahead: int = 0,
-               delta_ahead: int = 0):  # fmt: skip
+def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0, pf_ahead: int = 0):
     """The kernel as decode_linear launches it for 32 tokens with the default tiles (bf16 x and W;
     8 slots of rank 16 when lora_dtype is "fp32" or "bf16"; ``maxnreg``: a register cap, the launch
     option, which session 9 timed and dropped)."""
@@ -53,7 +52,6 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
         CDT=tl.bfloat16, IEEE=False, LORA_WDT=wdt, LORA_CDT=wdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
         WAIT_FIRST=not lora, PF_AHEAD=pf_ahead if lora else 0, PF_SLOTS=8,
         PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype == "bf16" else 4) // 128),
-        DELTA_AHEAD=delta_ahead if lora else 0,
     )  # fmt: skip
     fn = dl._decode_linear_kernel
     sig, const, attrs = {}, {}, {}

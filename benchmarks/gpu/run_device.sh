@@ -15,8 +15,6 @@
 #   bash benchmarks/gpu/run_device.sh prefill-check  # every GPU test, then the 4096-token rows
 #   bash benchmarks/gpu/run_device.sh confirm   # every GPU test, --matrix rows around the bf16 defaults, bench_e2e both
 #                                               shapes without HF
-#   bash benchmarks/gpu/run_device.sh delta     # --matrix rows of the delta in the K loop (fp32, bf16), then bench_e2e
-#                                               Llama-8B with it where its bf16 row beats the default by 1 µs a layer
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16 (MATRIX_ROWS sets them)
 set -uo pipefail
@@ -70,18 +68,6 @@ for stage in "$@"; do
             timeout 220 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
             timeout 100 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA;bf16 LoRA, neither;bf16 LoRA, B 8 steps ahead;bf16 LoRA, shrink K blocks 256/1024" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt" | tail -8
             timeout 260 python3 benchmarks/gpu/bench_e2e.py --skip-hf --bf16-loras --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
-            ;;
-        delta)
-            timeout 110 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;delta 4 steps ahead;bf16 LoRA;bf16 LoRA, delta 4 steps ahead;bf16 LoRA, delta 2 steps ahead" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt"
-            env_knobs=$(python3 -c '
-import json, sys
-cost = {}
-for r in json.load(open(sys.argv[1]))["matrix"]:
-    cost[r["cfg"]] = cost.get(r["cfg"], 0.0) + r["cost_fused"]
-best = min((cost.get(f"bf16 LoRA, delta {n} steps ahead", 1e9), n) for n in (4, 2))
-print(f"LORASERVE_DELTA_AHEAD={best[1]}" if best[0] < cost.get("bf16 LoRA", 0) - 1.0 else "")' "$OUT/matrix.json" 2>/dev/null)
-            echo "bench_e2e with: ${env_knobs:-the defaults}" | tee "$OUT/e2e_knobs.txt"
-            [ -n "$env_knobs" ] && env $env_knobs timeout 150 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e_8b.json" 2>&1 | tee "$OUT/e2e_8b.txt" | grep -A6 "^| model\|parity max\|greedy ids\|replay"
             ;;
         trace)
             timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"

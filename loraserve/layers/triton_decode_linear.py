@@ -99,15 +99,6 @@ _PF_ENV = os.environ.get("LORASERVE_PREFETCH_B_AHEAD")
 PREFETCH_B_AHEAD: int | None = int(_PF_ENV) if _PF_ENV else None
 
 
-# Knob (a module attribute: --matrix sweeps it; LORASERVE_DELTA_AHEAD=n sets it): a LoRA'd GEMM computes its
-# delta n K steps before its loop ends (under split-K, split 0 does, and leaves it in a plane of the
-# partials), while the loads of the last steps' W are in flight, instead of after the loop (0: after).
-# Only where all programs fit on the SMs at once (qkv, o, down; not gate_up's 448): the delta's MMA
-# operands then need shared memory of their own (compiled for sm_90, gate_up's program would grow from
-# 96 to 120 KB with bf16 B, one program an SM instead of two). Not yet timed.
-DELTA_AHEAD = int(os.environ.get("LORASERVE_DELTA_AHEAD", "0"))
-
-
 def prefetch_ahead(b_dtype: torch.dtype) -> int:
     """The K steps before the loop's end at which B of this dtype is pulled into L2 (PREFETCH_B_AHEAD)."""
     if PREFETCH_B_AHEAD is not None:
@@ -230,11 +221,8 @@ def _epilogue(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    delta_in,
-    DELTA_READY: tl.constexpr,
 ):
-    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored.
-    DELTA_READY: the LoRA delta was computed in the K loop (``delta_in``)."""
+    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -244,9 +232,7 @@ def _epilogue(
     out_dt = y_ptr.dtype.element_ty
     y = acc.to(out_dt)  # (BLOCK_N, BLOCK_M): the base output, rounded as cuBLAS's would be
 
-    if DELTA_READY:
-        y = (y.to(tl.float32) + delta_in).to(out_dt)
-    elif HAS_LORA:
+    if HAS_LORA:
         # NOTE: slots and B are loaded here, after the K loop: loaded before it (held in registers
         # across the loop) they cost gate_up 21.4 instead of 12.8 µs of LoRA (session 6, H200, 8 slots)
         delta = block_delta(
@@ -333,7 +319,6 @@ def _decode_linear_kernel(
     PF_AHEAD: tl.constexpr,  # (HAS_LORA) K steps before the loop's end at which B is pulled into L2 (0: never)
     PF_SLOTS: tl.constexpr,  # slots whose B is pulled (a power of 2 >= S)
     PF_LINES: tl.constexpr,  # 128-byte lines of one slot's B for this block's columns (a power of 2)
-    DELTA_AHEAD: tl.constexpr,  # (HAS_LORA) the delta is computed this many K steps before the loop's end
 ):
     pid = tl.program_id(0)
     if PDL_CHAIN:
@@ -355,11 +340,6 @@ def _decode_linear_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PF_AHEAD > 0:  # the K step at which this program pulls its epilogue's B into L2
         k_pf = k_lo + tl.maximum(tl.cdiv(k_hi - k_lo, BLOCK_K) - PF_AHEAD, 0) * BLOCK_K
-    delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if DELTA_AHEAD > 0:  # the K step after which this program computes its LoRA delta (split 0's only)
-        k_delta = k_lo + tl.maximum(tl.cdiv(k_hi - k_lo, BLOCK_K) - DELTA_AHEAD, 0) * BLOCK_K
-        if SPLIT_W > 1:
-            k_delta = tl.where(pid % SPLIT_W == 0, k_delta, -1)
     for k in range(k_lo, k_hi, BLOCK_K):
         if PF_AHEAD > 0:
             if k == k_pf:
@@ -379,16 +359,6 @@ def _decode_linear_kernel(
             acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)), input_precision="ieee")
         else:
             acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)))
-        if DELTA_AHEAD > 0:
-            # the delta while the last K steps' loads of W are in flight (the shrink, which runs beside
-            # this loop, has long finished here; the wait inside block_delta makes sure)
-            if k == k_delta:
-                delta = block_delta(
-                    pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
-                    stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-                    R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE,
-                    USE_PDL,
-                )  # fmt: skip
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
@@ -397,7 +367,7 @@ def _decode_linear_kernel(
             acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, delta, DELTA_AHEAD > 0,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
@@ -408,39 +378,19 @@ def _decode_linear_kernel(
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
         plane = tl.cdiv(N, BLOCK_N) * (BLOCK_N * BLOCK_M)  # elements of one split's plane
         tl.store(ws_ptr + (pid % SPLIT_W) * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, acc)
-        if DELTA_AHEAD > 0:
-            # split 0 computed the delta in its loop: it goes to the plane after the partials (published
-            # by the same atomic), for the last arrival to add
-            if pid % SPLIT_W == 0:
-                tl.store(ws_ptr + SPLIT_W * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, delta)
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_W - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for sp in tl.static_range(SPLIT_W):
                 total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
-            if DELTA_AHEAD > 0:
-                delta = tl.load(ws_ptr + SPLIT_W * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             _epilogue(
                 total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
                 S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, delta, DELTA_AHEAD > 0,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
-
-
-def _one_wave(device: torch.device, programs: int) -> bool:
-    """Whether a launch of this many programs fits on the GPU's SMs at one a SM (always under the
-    interpreter, which has no SMs)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return programs <= _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _block_m(M: int) -> int:
@@ -492,8 +442,6 @@ def decode_linear(
     )
     pdl = False
     pf = dict(PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1)
-    programs = triton.cdiv(N, tiles.block_n) * tiles.split_k
-    delta_ahead = DELTA_AHEAD if lora is not None and _one_wave(x.device, programs) else 0
     if lora is not None:
         b0 = lora.lora_b[0]
         n_sl = len(lora.lora_b)
@@ -525,8 +473,6 @@ def decode_linear(
         )  # fmt: skip
         pdl = lora.pdl
         ahead = prefetch_ahead(b0.dtype)
-        if ahead and delta_ahead:
-            ahead += delta_ahead  # B pulled as many steps before the delta as it was before the loop's end
         if ahead and (pdl_chain(x.device) or pdl):  # the GPU (no inline PTX under the interpreter)
             pf = dict(PF_AHEAD=ahead, PF_SLOTS=triton.next_power_of_2(b0.shape[0]),
                       PF_LINES=triton.next_power_of_2(max(1, tiles.block_n * R * b0.element_size() // 128)))  # fmt: skip
@@ -537,8 +483,7 @@ def decode_linear(
     k_per_split = triton.cdiv(triton.cdiv(K, split), tiles.block_k) * tiles.block_k
     ws, cnt = (x, x)
     if split > 1:
-        planes = split + (1 if delta_ahead else 0)  # (the delta's plane)
-        ws = persistent_buffer(x.device, "decode_linear/partials", planes * n_blocks * tiles.block_n * block_m, torch.float32)
+        ws = persistent_buffer(x.device, "decode_linear/partials", split * n_blocks * tiles.block_n * block_m, torch.float32)
         cnt = persistent_buffer(x.device, "decode_linear/arrivals", n_blocks)
     _decode_linear_kernel[(n_blocks * split,)](
         x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
@@ -553,7 +498,6 @@ def decode_linear(
         USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain,
         **pf,
-        DELTA_AHEAD=delta_ahead,
         **lora_consts,
     )  # fmt: skip
     return y

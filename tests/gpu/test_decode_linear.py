@@ -168,19 +168,16 @@ def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K, columns, mo
 @pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["shrink-slice-a-program", "shrink-all-slices"])
 @pytest.mark.parametrize("ahead", [0, 2, 64], ids=["no-b-pull", "b-pull-2-steps-ahead", "b-pull-at-start"])
-@pytest.mark.parametrize("delta", [0, 1, 64], ids=["delta-after-loop", "delta-1-step-ahead", "delta-at-start"])
-def test_linear_with_lora_knobs_keep_the_numbers(K, fuse, ahead, delta, monkeypatch):
-    """The decode shrink computing every slice in one program (lora_shrink.DECODE_FUSE_SLICES), the GEMM
-    pulling its epilogue's B into L2 some K steps before its loop ends (PREFETCH_B_AHEAD; on the GPU
-    only, the interpreter runs no inline PTX; 64 steps: at the loop's start), and the GEMM computing its
-    delta inside its K loop (DELTA_AHEAD; under split-K in split 0, through a plane of the partials)
-    give what the unfused path gives."""
+def test_linear_with_lora_knobs_keep_the_numbers(K, fuse, ahead, monkeypatch):
+    """The decode shrink computing every slice in one program (lora_shrink.DECODE_FUSE_SLICES) and the
+    GEMM pulling its epilogue's B into L2 some K steps before its loop ends (PREFETCH_B_AHEAD; on the
+    GPU only, the interpreter runs no inline PTX; 64 steps: at the loop's start) give what the unfused
+    path gives."""
     from loraserve.layers import triton_decode_linear as dl
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
     monkeypatch.setattr(shrink_mod, "DECODE_FUSE_SLICES", fuse)
     monkeypatch.setattr(dl, "PREFETCH_B_AHEAD", ahead)
-    monkeypatch.setattr(dl, "DELTA_AHEAD", delta)
     g = torch.Generator().manual_seed(K + ahead)
     M, outs, S, R = 12, (128, 64, 64), 4, 16
     ranks = [16, 0, 16, 4]
