@@ -56,6 +56,12 @@ starts within 0.4 µs of the kernel before it ending, and the shrink runs beside
 the LoRA cost is this epilogue (on a ready buffer 11.6 of 17.8 µs a layer, bf16 B), which waits on its
 loads after the K loop.
 
+NOTE: the delta computed inside the K loop a few steps before its end (session 10, commit 36c8ce0; under
+split-K by split 0, through a plane of the partials), so that its loads wait behind the last steps' W
+instead of after the loop, measured slower: 22.7 vs 16.3 µs of LoRA cost per layer with bf16 B (qkv 5.5
+vs 2.9), 31.6 vs 24.3 with fp32 B. Compiled for sm_90 the loop kept its 5-stage pipeline, but the
+delta's MMA operands took shared memory of their own (144-168 KB a program). Removed.
+
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
 columns; with ``split_k`` > 1 several programs share one over slices of K, and the last to finish
