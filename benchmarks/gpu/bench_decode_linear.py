@@ -11,7 +11,7 @@ device-to-device copy measured in the same run.
     python benchmarks/gpu/bench_decode_linear.py --tune         # the tile sweep at M = 32 first
     python benchmarks/gpu/bench_decode_linear.py --matrix       # the LoRA cost per op under each knob (MATRIX)
     python benchmarks/gpu/bench_decode_linear.py --lora-tune    # the fused LoRA op's time per tile config
-    python benchmarks/gpu/bench_decode_linear.py --trace        # each kernel's start and end in a graph replay
+    python benchmarks/gpu/bench_decode_linear.py --trace DIR    # each kernel's start and end in a graph replay
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def _replay_kernels(fn, layers: int, path: str) -> list[tuple[str, float, float]]:
+def _replay_kernels(fn, path: str) -> list[tuple[str, float, float]]:
     """(kernel name, start µs, end µs) of one CUDA-graph replay of fn, from the profiler's trace."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -308,14 +308,14 @@ def trace(layers: int, out_dir: str) -> None:
     for name, K, slices in SHAPES["llama-8b"][:4]:
         case = Case(K, slices, 32, layers)
         tiles = dl.default_tiles(32, case.N, K, torch.bfloat16)
-        ks = _replay_kernels(base(case, tiles), layers, f"{out_dir}/{name}_base.json")
+        ks = _replay_kernels(base(case, tiles), f"{out_dir}/{name}_base.json")
         ends = [t1 for _, _, t1 in ks]
         print(f"trace {name} base: {len(ks)} kernels, GEMM span {med([t1 - t0 for _, t0, t1 in ks]):.1f} µs, "
               f"period {med([b - a for a, b in zip(ends, ends[1:])]):.1f} µs", flush=True)  # fmt: skip
         del case
         for ldt in (torch.bfloat16, torch.float32):
             lc = Case(K, slices, 32, layers, lora_dtype=ldt)
-            ks = _replay_kernels(fused(lc, tiles), layers, f"{out_dir}/{name}_{str(ldt)[6:]}.json")
+            ks = _replay_kernels(fused(lc, tiles), f"{out_dir}/{name}_{str(ldt)[6:]}.json")
             del lc
             sh = [k for k in ks if "shrink" in k[0]]
             gm = [k for k in ks if "decode_linear" in k[0]]

@@ -15,6 +15,7 @@ import os
 import subprocess
 import tempfile
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -37,7 +38,8 @@ SIXTEENS = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", "N0"
 def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0, pf_ahead: int = 0):
     """The kernel as decode_linear launches it for 32 tokens with the default tiles (bf16 x and W;
     8 slots of rank 16 when lora_dtype is "fp32" or "bf16"; ``maxnreg``: a register cap, the launch
-    option, which session 9 timed and dropped)."""
+    option, which session 9 timed and dropped; ``pf_ahead``: the B pull's K steps, main() passes the
+    default of the dtype, dl.prefetch_ahead)."""
     N = sum(slices)
     tiles = dl.default_tiles(32, N, K, None)
     lora = lora_dtype is not None
@@ -89,7 +91,8 @@ def main() -> None:
                ("bf16", 128, 0), ("bf16", 32, 0), ("bf16", 128, 168)]  # fmt: skip
     for name, K, slices in OPS:
         for lora_dtype, columns, cap in configs:
-            k, tiles = compile_op(K, slices, lora_dtype, columns, cap)
+            pf = dl.prefetch_ahead(torch.bfloat16 if lora_dtype == "bf16" else torch.float32)
+            k, tiles = compile_op(K, slices, lora_dtype, columns, cap, pf)
             regs, stack = registers_and_stack(k)
             threads = 32 * tiles.num_warps
             by_regs = SM_REGS // (((regs + 7) // 8 * 8) * threads)

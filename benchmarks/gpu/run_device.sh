@@ -16,7 +16,7 @@
 #   bash benchmarks/gpu/run_device.sh confirm   # every GPU test, --matrix rows around the bf16 defaults, bench_e2e both
 #                                               shapes without HF
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
-#                                               timestamps per op), --matrix rows default, bf16 (MATRIX_ROWS sets them)
+#                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"

@@ -94,15 +94,24 @@ from loraserve.lora.ops.triton.utils import (
     tl_dtype,
 )
 
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r}: give a number of K steps (0 turns it off), or unset it for the default")
+    return int(value)
+
+
 # Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_PREFETCH_B_AHEAD=n sets it; None:
 # by B's dtype, ``prefetch_ahead``): n K steps before the end of its K loop, each LoRA'd program pulls its
-# epilogue's B into L2 (0: never). The epilogue on a ready buffer costs 1.9-5.3 µs an op (H200, session
+# epilogue's B into L2 (0: never). The epilogue on a ready buffer costs 1.6-5.8 µs an op (H200, session
 # 10, bf16 B) where B's bytes take 0.3-1.7: mostly its load's latency after the loop. Timed (session 10,
 # --matrix, LoRA cost per layer): bf16 B 17.5 vs 17.9 µs at 4 steps; fp32 B 27.6 at 4 and 27.3 at 2 vs
 # 24.9 (its B is twice the lines), so it is on for half-precision B only. Session 8 pulled B before the K
 # loop (commit cf605f9), slower.
-_PF_ENV = os.environ.get("LORASERVE_PREFETCH_B_AHEAD")
-PREFETCH_B_AHEAD: int | None = int(_PF_ENV) if _PF_ENV else None
+PREFETCH_B_AHEAD: int | None = _env_int("LORASERVE_PREFETCH_B_AHEAD")
 
 
 def prefetch_ahead(b_dtype: torch.dtype) -> int:
@@ -399,6 +408,10 @@ def _decode_linear_kernel(
             )  # fmt: skip
 
 
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _block_m(M: int) -> int:
     return 16 if M <= 16 else 32
 
@@ -479,7 +492,9 @@ def decode_linear(
         )  # fmt: skip
         pdl = lora.pdl
         ahead = prefetch_ahead(b0.dtype)
-        if ahead and (pdl_chain(x.device) or pdl):  # the GPU (no inline PTX under the interpreter)
+        # (the GPU only: the interpreter runs no inline PTX). NOTE: under split-K every split pulls the same
+        # B (any of them may be the last to arrive and run the epilogue); the timings include that
+        if ahead and x.device.type == "cuda" and not _interpreted():
             pf = dict(PF_AHEAD=ahead, PF_SLOTS=triton.next_power_of_2(b0.shape[0]),
                       PF_LINES=triton.next_power_of_2(max(1, tiles.block_n * R * b0.element_size() // 128)))  # fmt: skip
     chain = pdl_chain(x.device)

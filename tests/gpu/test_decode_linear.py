@@ -167,12 +167,12 @@ def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K, columns, mo
 
 @pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["shrink-slice-a-program", "shrink-all-slices"])
-@pytest.mark.parametrize("ahead", [0, 2, 64], ids=["no-b-pull", "b-pull-2-steps-ahead", "b-pull-at-start"])
+@pytest.mark.parametrize("ahead", [0, 1, 64], ids=["no-b-pull", "b-pull-1-step-ahead", "b-pull-at-start"])
 def test_linear_with_lora_knobs_keep_the_numbers(K, fuse, ahead, monkeypatch):
     """The decode shrink computing every slice in one program (lora_shrink.DECODE_FUSE_SLICES) and the
     GEMM pulling its epilogue's B into L2 some K steps before its loop ends (PREFETCH_B_AHEAD; on the
     GPU only, the interpreter runs no inline PTX; 64 steps: at the loop's start) give what the unfused
-    path gives."""
+    path gives. The reference's shrink computes one slice a program, whatever the knob."""
     from loraserve.layers import triton_decode_linear as dl
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
@@ -191,12 +191,38 @@ def test_linear_with_lora_knobs_keep_the_numbers(K, fuse, ahead, monkeypatch):
     )
     ops = TritonLoRAOps(DEV)
     y = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
+    monkeypatch.setattr(shrink_mod, "DECODE_FUSE_SLICES", False)
     ref = decode_linear(x, w)
     ops.add_lora_linear(ref, x, As, Bs, ranks, meta)
     assert rel_err(y, ref) < 1e-2
     base_rows = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
     assert torch.equal(y[base_rows], decode_linear(x, w)[base_rows])
     assert not torch.equal(y, decode_linear(x, w))
+
+
+def test_decode_knobs_follow_the_lora_dtype_unless_forced(monkeypatch):
+    """By default half-precision LoRA weights take both decode knobs and fp32 ones neither; the env
+    variables force them; bad values are refused with a message naming the variable."""
+    from loraserve.layers import triton_decode_linear as dl
+    from loraserve.lora.ops.triton import lora_shrink as shrink_mod
+
+    monkeypatch.setattr(dl, "PREFETCH_B_AHEAD", None)
+    monkeypatch.setattr(shrink_mod, "DECODE_FUSE_SLICES", None)
+    assert dl.prefetch_ahead(torch.bfloat16) == dl.prefetch_ahead(torch.float16) == 4
+    assert dl.prefetch_ahead(torch.float32) == 0
+    assert shrink_mod._fuse_decode(torch.bfloat16) and not shrink_mod._fuse_decode(torch.float32)
+    monkeypatch.setattr(dl, "PREFETCH_B_AHEAD", 0)
+    monkeypatch.setattr(shrink_mod, "DECODE_FUSE_SLICES", True)
+    assert dl.prefetch_ahead(torch.bfloat16) == 0 and shrink_mod._fuse_decode(torch.float32)
+    assert shrink_mod._fuse_env("0") is False and shrink_mod._fuse_env(None) is None
+    assert shrink_mod._decode_block_k("256,1024") == (256, 1024)
+    with pytest.raises(ValueError, match="LORASERVE_SHRINK_FUSE_DECODE"):
+        shrink_mod._fuse_env("yes")
+    with pytest.raises(ValueError, match="LORASERVE_SHRINK_DECODE_BLOCK_K"):
+        shrink_mod._decode_block_k("256")
+    monkeypatch.setenv("LORASERVE_PREFETCH_B_AHEAD", "four")
+    with pytest.raises(ValueError, match="LORASERVE_PREFETCH_B_AHEAD"):
+        dl._env_int("LORASERVE_PREFETCH_B_AHEAD")
 
 
 @pytest.mark.parametrize("M", [1, 16, 17, 32])

@@ -17,11 +17,12 @@ loading. Either is deterministic and needs no zeroing. Summing here measured che
 session 6): decode_linear's epilogue runs once per wave of its programs, after the K loop, where
 the plane loads are latency nobody hides; here they are one program's tail per group.
 
-At decode sizes each program's K range is a single block: its tile of A (weights, written before
-the forward) is loaded before the PDL wait, overlapping the previous kernel's tail; x is read after.
+At decode sizes each program's K range is a single block. A program of one slice (fp32 A, by default)
+loads its tile of A (weights, written before the forward) before the PDL wait, overlapping the
+previous kernel's tail, and x after it. A program of half-precision A computes every slice of its tile
+(``DECODE_FUSE_SLICES``) and loads A after the wait (measured faster that way, session 10).
 Prefill (segments longer than 32 tokens) takes ``PREFILL``'s tiles, where by default a program owns
-every slice of its tile and loads each tile of x once for all of them; at decode sizes so does a
-program of half-precision A (``DECODE_FUSE_SLICES``).
+every slice of its tile and loads each tile of x once for all of them.
 
 """
 
@@ -69,7 +70,7 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
                        BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, CDT: tl.constexpr,
                        IEEE: tl.constexpr, USE_PDL: tl.constexpr, slot, seg, seg_start, seg_len, rank, rblock,
                        split, pid_m):  # fmt: skip
-    """FUSE_SLICES (prefill): one program computes the tile (BLOCK_M tokens, BLOCK_R ranks, its K split) of
+    """FUSE_SLICES (prefill, and decode with half-precision A): one program computes the tile (BLOCK_M tokens, BLOCK_R ranks, its K split) of
     every slice, each tile of x loaded once for all of them; then the same stores and split sum as a
     one-slice program, with one arrival for the slices together."""
     m0 = pid_m * BLOCK_M
@@ -124,7 +125,7 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
                       BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, ONE_CHUNK: tl.constexpr,
                       CDT: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr, slot, seg, seg_start, seg_len,
                       rank, rblock, split, sl, pid_m):  # fmt: skip
-    """A program that owns one slice of its tile (the decode shape)."""
+    """A program that owns one slice of its tile (decode with fp32 A, and prefill of one-slice layers)."""
     r0 = rblock * BLOCK_R
     m0 = pid_m * BLOCK_M
     if NUM_SLICES == 1:
@@ -261,18 +262,35 @@ def _lora_shrink_kernel(
 
 
 # Tuning knobs (module attributes, so that benchmarks/gpu/bench_decode_linear.py --matrix can sweep them):
+def _decode_block_k(value: str) -> tuple[int, int]:
+    parts = value.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) % 16 == 0 and int(p) > 0 for p in parts):
+        raise ValueError(
+            f"LORASERVE_SHRINK_DECODE_BLOCK_K={value!r}: give two multiples of 16, the K block for K <= 8192 "
+            "and beyond, e.g. 256,512"
+        )
+    return int(parts[0]), int(parts[1])
+
+
+def _fuse_env(value: str | None) -> bool | None:
+    if value in (None, ""):
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"LORASERVE_SHRINK_FUSE_DECODE={value!r}: give 1 (on), 0 (off), or unset it for the default")
+    return value == "1"
+
+
 # the decode K block for K <= 8192 and beyond (LORASERVE_SHRINK_DECODE_BLOCK_K="256,512" sets it)
-DECODE_BLOCK_K = tuple(int(v) for v in os.environ.get("LORASERVE_SHRINK_DECODE_BLOCK_K", "256,512").split(","))
-PREFETCH_A = True  # at decode sizes, load the tile of A before the PDL wait
+DECODE_BLOCK_K = _decode_block_k(os.environ.get("LORASERVE_SHRINK_DECODE_BLOCK_K", "256,512"))
+PREFETCH_A = True  # at decode sizes, a one-slice program loads its tile of A before the PDL wait
 # At decode sizes, whether a program computes every slice of its tile (x loaded once; a third of the
 # programs for qkv, half for gate_up; A loaded after the PDL wait). None: for half-precision A only.
-# Timed (H200, session 10, --matrix, LoRA cost per layer of the fused op): bf16 A 16.4 vs 17.9 µs; fp32
-# A 27.9 vs 24.9 (qkv 7.8 vs 5.0: the tile of fp32 A it loads after the wait is twice the bytes).
-# Loading its tiles of A before the wait (commit ebcc226) measured 17.1 with bf16 A and 24.5 with fp32 A
-# (the 8-adapter step 1.156x vs 1.159x, noise), and was reverted. LORASERVE_SHRINK_FUSE_DECODE=1 / 0
-# forces it.
-_FUSE_ENV = os.environ.get("LORASERVE_SHRINK_FUSE_DECODE")
-DECODE_FUSE_SLICES: bool | None = _FUSE_ENV == "1" if _FUSE_ENV else None
+# Timed (H200, session 10, --matrix, LoRA cost per layer of the fused op, one call): bf16 A 16.4 vs 17.9
+# µs; fp32 A 27.9 vs 24.9 (qkv 7.8 vs 5.1: the tile of fp32 A it loads after the wait is twice the
+# bytes). Loading its tiles of A before the wait (commit ebcc226) measured 17.1 with bf16 A (vs 17.7
+# with neither decode knob) and 24.5 with fp32 A (vs 25.0; the 8-adapter step 1.156x vs 1.159x, noise),
+# and was reverted. LORASERVE_SHRINK_FUSE_DECODE=1 / 0 forces it.
+DECODE_FUSE_SLICES: bool | None = _fuse_env(os.environ.get("LORASERVE_SHRINK_FUSE_DECODE"))
 
 
 def _fuse_decode(a_dtype: torch.dtype) -> bool:
@@ -318,7 +336,8 @@ def _pick_blocks(
     """(BLOCK_M, BLOCK_K, SPLIT_K): enough programs to fill the chip at decode sizes.
 
     Decode sizes (segments of <= 32 tokens): one K block of 256 (512 past K = 8192) per program
-    (ONE_CHUNK): 128-450 programs for Llama-8B's layers with 8 adapters. Larger segments
+    (ONE_CHUNK): 128-450 programs for Llama-8B's layers with 8 adapters (a third of them for qkv, half
+    for gate_up, when a program computes every slice). Larger segments
     (``tiles``): ``block_k`` K a step, K split until ``programs`` programs (at most 4 steps a split
     is left alone).
     """
