@@ -87,6 +87,8 @@ import triton.language as tl
 from loraserve.lora.ops.triton.expand_block import block_delta, lora_slice, slots_per_chunk
 from loraserve.lora.ops.triton.utils import (
     compute_dtype_of,
+    dot_in,
+    interpreted,
     pdl_chain,
     pdl_link,
     persistent_buffer,
@@ -370,10 +372,7 @@ def _decode_linear_kernel(
             k_mask = (k + offs_k) < k_hi
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)), input_precision="ieee")
-        else:
-            acc += tl.dot(w.to(CDT), tl.trans(xt.to(CDT)))
+        acc += dot_in(w, tl.trans(xt), CDT, IEEE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
@@ -406,10 +405,6 @@ def _decode_linear_kernel(
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
                 LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _block_m(M: int) -> int:
@@ -494,7 +489,7 @@ def decode_linear(
         ahead = prefetch_ahead(b0.dtype)
         # (the GPU only: the interpreter runs no inline PTX). NOTE: under split-K every split pulls the same
         # B (any of them may be the last to arrive and run the epilogue); the timings include that
-        if ahead and x.device.type == "cuda" and not _interpreted():
+        if ahead and x.device.type == "cuda" and not interpreted():
             pf = dict(PF_AHEAD=ahead, PF_SLOTS=triton.next_power_of_2(b0.shape[0]),
                       PF_LINES=triton.next_power_of_2(max(1, tiles.block_n * R * b0.element_size() // 128)))  # fmt: skip
     chain = pdl_chain(x.device)

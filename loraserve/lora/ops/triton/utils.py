@@ -18,11 +18,16 @@ def tl_dtype(dtype: torch.dtype):
     return _TL[dtype]
 
 
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1): no inline PTX, no PDL."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def use_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (Hopper and later): a LoRA kernel launches while the kernel before
     it finishes and waits (``gdc_wait``) before touching its outputs, hiding the launch gap that
     dominates decode-size LoRA ops. Off under the interpreter and with LORASERVE_PDL=0."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or interpreted():
         return False
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 
