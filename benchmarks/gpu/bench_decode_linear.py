@@ -12,6 +12,7 @@ device-to-device copy measured in the same run.
     python benchmarks/gpu/bench_decode_linear.py --matrix       # the LoRA cost per op under each knob (MATRIX)
     python benchmarks/gpu/bench_decode_linear.py --lora-tune    # the fused LoRA op's time per tile config
     python benchmarks/gpu/bench_decode_linear.py --trace DIR    # each kernel's start and end in a graph replay
+    python benchmarks/gpu/bench_decode_linear.py --gated        # gate_up + SiLU-and-mul: the delta in the GEMM or the activation
 """
 
 from __future__ import annotations
@@ -334,6 +335,58 @@ def trace(layers: int, out_dir: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _gated_row(lc: Case, ops: TritonLoRAOps, tiles, t_base: float, configs) -> str:
+    """One --gated row: the default pair and silu_and_mul_lora per (block_n, num_warps) on one LoRA case."""
+    from loraserve.layers.triton_elementwise import silu_and_mul
+    from loraserve.lora.ops.triton.gated_lora import silu_and_mul_lora
+
+    rank_dev, R, layers = ops.ranks_tensor(lc.ranks), lc.As[0][0].shape[2], len(lc.ws)
+    trio = list(zip(lc.ws, lc.As, lc.Bs))
+
+    def default(w, A, B):
+        return silu_and_mul(dl.decode_linear(lc.x, w, lora=fused_epilogue(lc, ops, A, B, rank_dev, R), tiles=tiles))
+
+    def gated(w, A, B, bn, nw):
+        buf = lora_shrink(lc.x, A, lc.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
+        y = dl.decode_linear(lc.x, w, tiles=tiles, after_shrink=True)
+        return silu_and_mul_lora(y, buf, B, lc.mapping.token_slots, block_n=bn, num_warps=nw)
+
+    t_def = graph_us(lambda: [default(*t) for t in trio], layers)
+    ref = default(*trio[0]).float()
+    cells = [f"default {t_def:.1f} µs, LoRA {t_def - t_base:.1f}"]
+    for bn, nw in configs:
+        try:
+            t_new = graph_us(lambda bn=bn, nw=nw: [gated(*t, bn, nw) for t in trio], layers)
+        except OutOfResources as e:
+            cells.append(f"{bn}/{nw}: {type(e).__name__}")
+            continue
+        err = ((gated(*trio[0], bn, nw).float() - ref).norm() / ref.norm()).item()
+        cells.append(f"{bn}/{nw}: {t_new:.1f} µs, LoRA {t_new - t_base:.1f}, err {err:.1e}")
+    return " | ".join(cells)
+
+
+def gated(layers: int, configs=((32, 4), (64, 4), (64, 8), (128, 8))) -> None:
+    """gate_up + SiLU-and-mul per layer (32 tokens, 8 adapters mixed): the base pair, the GEMM with the delta in
+    its epilogue then silu_and_mul (the default), and the shrink, the plain GEMM (after_shrink) then
+    silu_and_mul_lora with the delta (``gated_lora``) per (block_n, num_warps); µs per layer and the LoRA
+    cost (minus the base pair); rel err of the gated output against the default's."""
+    from loraserve.layers.triton_elementwise import silu_and_mul
+
+    ops = TritonLoRAOps(DEV)
+    for model in ("llama-8b", "qwen-0.5b"):
+        _, K, slices = next(s for s in SHAPES[model] if s[0] == "gate_up")
+        case = Case(K, slices, 32, layers)
+        tiles = dl.default_tiles(32, case.N, K, torch.bfloat16)
+        t_base = graph_us(lambda c=case, t=tiles: [silu_and_mul(dl.decode_linear(c.x, w, tiles=t)) for w in c.ws], layers)
+        del case
+        for ldt in (torch.bfloat16, torch.float32):
+            lc = Case(K, slices, 32, layers, lora_dtype=ldt)
+            print(f"gated {model} {str(ldt)[6:]}: base {t_base:.1f} µs | " + _gated_row(lc, ops, tiles, t_base, configs),
+                  flush=True)  # fmt: skip
+            del lc
+        torch.cuda.empty_cache()
+
+
 def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
     """Relative error of the fused layer vs the unfused one (bf16: a rounding apart)."""
     rank_dev = ops.ranks_tensor(case.ranks)
@@ -420,6 +473,7 @@ def main() -> None:
     ap.add_argument("--matrix", action="store_true", help="only the LoRA cost per op under each knob of MATRIX")
     ap.add_argument("--rows", default=None, help="--matrix: only these rows of MATRIX (names separated by ';')")
     ap.add_argument("--lora-tune", action="store_true", help="only the fused LoRA op's time per tile config")
+    ap.add_argument("--gated", action="store_true", help="only gate_up + SiLU-and-mul: the delta in the GEMM or in the activation")
     ap.add_argument("--trace", default=None, help="only the kernel timestamps of each op (profiler traces into this folder)")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -429,6 +483,9 @@ def main() -> None:
         return
     if args.trace:
         trace(args.layers, args.trace)
+        return
+    if args.gated:
+        gated(args.layers)
         return
     if args.matrix:
         print("| knob | op | cuBLAS µs | unfused µs | LoRA cost | decode_linear µs | fused µs | LoRA cost | fused rel err |")

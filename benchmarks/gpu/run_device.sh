@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu/run_device.sh prefill-check  # every GPU test, then the 4096-token rows
 #   bash benchmarks/gpu/run_device.sh confirm   # every GPU test, --matrix rows around the bf16 defaults, bench_e2e both
 #                                               shapes without HF
+#   bash benchmarks/gpu/run_device.sh gated     # the decode GEMM and gated-LoRA tests, bench_decode_linear --gated (gate_up's
+#                                               delta in its GEMM's epilogue or in the SiLU-and-mul launch)
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
 set -uo pipefail
@@ -73,6 +75,10 @@ for stage in "$@"; do
             timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"
             timeout 120 python3 benchmarks/gpu/bench_decode_linear.py --trace "$OUT/traces" 2>&1 | tee "$OUT/trace.txt"
             timeout 200 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "${MATRIX_ROWS:-default;bf16 LoRA;bf16 LoRA, neither}" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt"
+            ;;
+        gated)
+            timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_gated_lora.py 2>&1 | tail -5 | tee "$OUT/gated_tests.txt"
+            timeout 200 python3 benchmarks/gpu/bench_decode_linear.py --gated 2>&1 | tee "$OUT/gated.txt"
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"

@@ -94,6 +94,7 @@ from loraserve.lora.ops.triton.utils import (
     persistent_buffer,
     prefetch_l2,
     tl_dtype,
+    use_pdl,
 )
 
 
@@ -405,6 +406,11 @@ def _decode_linear_kernel(
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
                 LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
+    if USE_PDL:
+        if not HAS_LORA:
+            # (after_shrink) we read none of the shrink's output, but our dependents do: wait for it before
+            # ending, so that our completion, which is what they wait for, implies the shrink's
+            tl.extra.cuda.gdc_wait()
 
 
 def _block_m(M: int) -> int:
@@ -436,10 +442,14 @@ def decode_linear(
     bias: torch.Tensor | None = None,
     lora: ExpandEpilogue | None = None,
     tiles: DecodeTiles | None = None,
+    after_shrink: bool = False,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ weight (N, K)^T (+ bias) (+ the LoRA delta of ``lora``), in x's dtype.
 
     M <= MAX_TOKENS (a decode step); x and weight bf16/fp16, contiguous along K (``supports`` says which).
+    ``after_shrink`` (no ``lora``): launched as the PDL dependent of a ``lora_shrink`` of x whose output
+    the next kernel reads (``gated_lora``): x is read at once (the shrink waited for it) and each program
+    waits for the shrink before it ends.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -454,7 +464,8 @@ def decode_linear(
     lora_consts = dict(
         R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
     )
-    pdl = False
+    assert not (after_shrink and lora is not None), "after_shrink is for a GEMM without the epilogue"
+    pdl = after_shrink and use_pdl(x.device)
     pf = dict(PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1)
     if lora is not None:
         b0 = lora.lora_b[0]

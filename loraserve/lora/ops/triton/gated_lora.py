@@ -1,0 +1,148 @@
+"""SiLU-and-mul of a gate/up projection's base output, with the projection's LoRA delta added first, in
+one launch: what a decode step's MLP runs after gate_up's GEMM on the GPU.
+
+    out[t, j] = round(round(silu(g')) * u'),   g' = round(g[t, j] + dg[t, j]),  u' = round(u[t, j] + du[t, j])
+
+where (g, u) are the base GEMM's output (rounded to its dtype), dg and du the delta of each token's
+slot (``expand_block``: B_i[slot(t)] s_i[t] in fp32, s the shrink's output), and round() rounds to
+the activations' dtype: exactly the numbers of the GEMM with the delta in its epilogue followed by
+``silu_and_mul`` (PEFT's ``result + lora_B(lora_A(x)) * scaling``, one rounding, then the activation).
+
+Why: in ``decode_linear`` the delta is an epilogue after each program's K loop, and gate_up's 448
+column blocks run in 1.7 waves of two programs an SM, so that epilogue's latency is paid in every
+wave: on a ready buffer it cost 5.8 µs of gate_up's 58 (H200, session 10, Llama-8B, 32 tokens, 8 bf16
+adapters), the largest LoRA cost of a layer. SiLU-and-mul is a launch of its own anyway; with the delta
+in it, gate_up's GEMM streams W without an epilogue and this kernel, a PDL dependent launched while the
+GEMM runs, loads its B (weights, written before the forward) before it waits for the GEMM.
+
+Layout: program p owns columns [p * BLOCK_N, (p + 1) * BLOCK_N) of the gate half and the same columns of
+the up half, for every token (up to BLOCK_M = 32): its two deltas are one MMA each per chunk of slots,
+transposed as ``expand_block`` computes them (columns along the MMA's M).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraserve.lora.ops.triton.expand_block import expand_chunk, lora_b_chunk, slots_per_chunk
+from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, sum_planes, tl_dtype
+
+MAX_TOKENS = 32  # one tile of tokens; a decode step's batch (decode_linear.MAX_TOKENS)
+
+
+@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
+def _silu_and_mul_lora_kernel(
+    y_ptr,  # (M, 2D): the base gate/up output
+    out_ptr,  # (M, D)
+    M,
+    D,
+    stride_ym,
+    stride_om,
+    buf_ptr,  # (SPLIT_K, 2, M, R) fp32: the shrink's output (gate's slice, up's slice)
+    bg_ptr,  # (S, 1, D, R): gate's B
+    bu_ptr,  # (S, 1, D, R): up's B
+    slots_ptr,  # (M,) int: each token's slot, -1 = base
+    S,
+    SPLIT_K,
+    stride_bsp,
+    stride_bi,
+    stride_bm,
+    stride_wsg,
+    stride_wsu,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_CHUNK: tl.constexpr,
+    RED: tl.constexpr,
+    LORA_WDT: tl.constexpr,
+    LORA_CDT: tl.constexpr,
+    LORA_IEEE: tl.constexpr,
+    PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain: B and the slots before the wait, y and buf after
+):
+    if PDL_CHAIN:
+        tl.extra.cuda.gdc_launch_dependents()
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    n_mask = offs_n < D
+    m_mask = offs_m < M
+    slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)
+    hg_ptrs = buf_ptr + offs_m[:, None] * stride_bm + offs_r[None, :]
+    h_mask = m_mask[:, None] & (offs_r < R)[None, :]
+    dg = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    du = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for chunk in range(0, S, SLOTS_PER_CHUNK):
+        bg = lora_b_chunk(bg_ptr, stride_wsg, n0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
+        bu = lora_b_chunk(bu_ptr, stride_wsu, n0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
+        if PDL_CHAIN:  # buf is the shrink's, which finished before the GEMM did (decode_linear's after_shrink)
+            tl.extra.cuda.gdc_wait()
+        hg = sum_planes(hg_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False)
+        hu = sum_planes(hg_ptrs + stride_bi, h_mask, SPLIT_K, stride_bsp, RED, False)
+        dg = expand_chunk(dg, bg, hg, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
+        du = expand_chunk(du, bu, hu, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
+    if PDL_CHAIN:  # (again: with no slot the loop never waited; a wait that has been met returns at once)
+        tl.extra.cuda.gdc_wait()
+    mask = n_mask[:, None] & m_mask[None, :]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    out_dt = out_ptr.dtype.element_ty
+    g = (tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + dg).to(out_dt).to(tl.float32)
+    u = (tl.load(y_ptrs + D, mask=mask, other=0.0).to(tl.float32) + du).to(out_dt).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(out_dt).to(tl.float32)  # rounded, as silu_and_mul's is
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], (silu * u).to(out_dt), mask=mask)
+
+
+def default_block_n(lora_dtype: torch.dtype) -> int:
+    """Columns per program (of each half): B's two chunks live in registers, so fp32 B takes half as many."""
+    return 32 if lora_dtype == torch.float32 else 64
+
+
+def silu_and_mul_lora(
+    y: torch.Tensor,
+    buf: torch.Tensor,
+    lora_b: tuple[torch.Tensor, torch.Tensor],
+    token_slots: torch.Tensor,
+    block_n: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """(M, 2D) base gate/up output + the delta of (buf, lora_b) per token's slot -> silu(gate) * up (M, D).
+
+    y: bf16/fp16/fp32, contiguous along its columns, M <= MAX_TOKENS. buf: (P, 2, M, R) fp32 from
+    ``lora_shrink`` with ``zero_fill`` (P split-K planes, summed here). lora_b: gate's and up's
+    (S, 1, D, R), contiguous, one dtype. token_slots: (M,) on the device, -1 = base. As a link of the
+    PDL chain it must follow a kernel whose completion implies the shrink's (``decode_linear`` with
+    ``after_shrink``, or any ordinary launch order).
+    """
+    M, D2 = y.shape
+    D = D2 // 2
+    P, n_sl, m_buf, R = buf.shape
+    bg, bu = lora_b
+    assert D2 == 2 * D and 0 < M <= MAX_TOKENS, f"y {tuple(y.shape)}: (1..{MAX_TOKENS} tokens, 2D)"
+    assert y.stride(1) == 1, "y must be contiguous along its columns"
+    assert n_sl == 2 and m_buf == M and buf.dtype == torch.float32 and buf.stride(3) == 1, (
+        f"buf {tuple(buf.shape)} {buf.dtype} does not fit y {tuple(y.shape)}: want (P, 2, {M}, R) fp32"
+    )
+    for b in lora_b:
+        assert b.shape == (bg.shape[0], 1, D, R) and b.dtype == bg.dtype, (
+            f"B {tuple(b.shape)} {b.dtype}: want ({bg.shape[0]}, 1, {D}, {R}) {bg.dtype}"
+        )
+        assert b.stride()[1:] == (D * R, R, 1), "B must be contiguous (out, R) per slot"
+    assert token_slots.shape == (M,), f"token_slots {tuple(token_slots.shape)} does not fit {M} tokens"
+    block_n = block_n or default_block_n(bg.dtype)
+    block_r = max(16, triton.next_power_of_2(R))
+    lcdt = compute_dtype_of(torch.float32 if bg.dtype == torch.float32 else bg.dtype, bg.dtype)
+    out = torch.empty(M, D, dtype=y.dtype, device=y.device)
+    chain = pdl_chain(y.device)
+    _silu_and_mul_lora_kernel[(triton.cdiv(D, block_n),)](
+        y, out, M, D, y.stride(0), out.stride(0),
+        buf, bg, bu, token_slots, bg.shape[0], P, buf.stride(0), buf.stride(1), buf.stride(2),
+        bg.stride(0), bu.stride(0),
+        R=R, BLOCK_M=16 if M <= 16 else 32, BLOCK_N=block_n, BLOCK_R=block_r,
+        SLOTS_PER_CHUNK=slots_per_chunk(bg.shape[0], block_r), RED=min(triton.next_power_of_2(P), 16),
+        LORA_WDT=tl_dtype(bg.dtype), LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and y.dtype == torch.float32,
+        PDL_CHAIN=chain, num_warps=num_warps, launch_pdl=chain,
+    )  # fmt: skip
+    return out
