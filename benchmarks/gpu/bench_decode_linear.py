@@ -365,7 +365,7 @@ def _gated_row(lc: Case, ops: TritonLoRAOps, tiles, t_base: float, configs) -> s
     return " | ".join(cells)
 
 
-def gated(layers: int, configs=((32, 4), (64, 4), (64, 8), (128, 8))) -> None:
+def gated(layers: int, configs=((64, 4), (64, 8), (128, 8))) -> None:
     """gate_up + SiLU-and-mul per layer (32 tokens, 8 adapters mixed): the base pair, the GEMM with the delta in
     its epilogue then silu_and_mul (the default), and the shrink, the plain GEMM (after_shrink) then
     silu_and_mul_lora with the delta (``gated_lora``) per (block_n, num_warps); µs per layer and the LoRA
@@ -373,15 +373,19 @@ def gated(layers: int, configs=((32, 4), (64, 4), (64, 8), (128, 8))) -> None:
     from loraserve.layers.triton_elementwise import silu_and_mul
 
     ops = TritonLoRAOps(DEV)
-    for model in ("llama-8b", "qwen-0.5b"):
-        _, K, slices = next(s for s in SHAPES[model] if s[0] == "gate_up")
+    gate_ups = [(m, *next(s for s in SHAPES[m] if s[0] == "gate_up")[1:]) for m in ("llama-8b", "qwen-0.5b")]
+    # between the two (where gated_lora.GATED_MAX_WEIGHT is drawn): Llama-3.2-1B, Qwen2.5-1.5B, Llama-3.2-3B
+    gate_ups += [("llama-1b", 2048, (8192, 8192)), ("qwen-1.5b", 1536, (8960, 8960)), ("llama-3b", 3072, (8192, 8192))]
+    for model, K, slices in gate_ups:
         case = Case(K, slices, 32, layers)
         tiles = dl.default_tiles(32, case.N, K, torch.bfloat16)
         t_base = graph_us(lambda c=case, t=tiles: [silu_and_mul(dl.decode_linear(c.x, w, tiles=t)) for w in c.ws], layers)
         del case
         for ldt in (torch.bfloat16, torch.float32):
             lc = Case(K, slices, 32, layers, lora_dtype=ldt)
-            print(f"gated {model} {str(ldt)[6:]}: base {t_base:.1f} µs | " + _gated_row(lc, ops, tiles, t_base, configs),
+            cfgs = configs if model in ("llama-8b", "qwen-0.5b") else ((64, 8),)
+            print(f"gated {model} {str(ldt)[6:]} ({slices[0]} x 2 by {K}): base {t_base:.1f} µs | "
+                  + _gated_row(lc, ops, tiles, t_base, cfgs),
                   flush=True)  # fmt: skip
             del lc
         torch.cuda.empty_cache()

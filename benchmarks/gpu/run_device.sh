@@ -17,6 +17,8 @@
 #                                               shapes without HF
 #   bash benchmarks/gpu/run_device.sh gated     # the decode GEMM and gated-LoRA tests, bench_decode_linear --gated (gate_up's
 #                                               delta in its GEMM's epilogue or in the SiLU-and-mul launch)
+#   bash benchmarks/gpu/run_device.sh step      # every GPU test, bench_e2e both shapes without HF, --matrix rows default
+#                                               and bf16 LoRA, then --gated
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
 set -uo pipefail
@@ -75,6 +77,12 @@ for stage in "$@"; do
             timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"
             timeout 120 python3 benchmarks/gpu/bench_decode_linear.py --trace "$OUT/traces" 2>&1 | tee "$OUT/trace.txt"
             timeout 200 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "${MATRIX_ROWS:-default;bf16 LoRA;bf16 LoRA, neither}" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt"
+            ;;
+        step)
+            timeout 200 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
+            timeout 240 python3 benchmarks/gpu/bench_e2e.py --skip-hf --bf16-loras --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
+            timeout 80 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt" | tail -14
+            timeout 100 python3 benchmarks/gpu/bench_decode_linear.py --gated 2>&1 | tee "$OUT/gated.txt"
             ;;
         gated)
             timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_gated_lora.py 2>&1 | tail -5 | tee "$OUT/gated_tests.txt"

@@ -116,6 +116,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_partition_sizes[:shard_id])
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
+    def forward_activated(self, x: torch.Tensor, act) -> torch.Tensor:
+        """act(self(x)): a gated MLP's projection and its activation. The LoRA wrapper of gate_up fuses
+        the two where that is faster (``MergedColumnParallelLinearWithLoRA.forward_activated``)."""
+        return act(self(x))
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Packed q, k, v projections, sharded by heads. With fewer kv heads than ranks, kv heads are replicated."""

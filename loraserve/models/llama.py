@@ -73,7 +73,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(h)))
+        return self.down_proj(self.gate_up_proj.forward_activated(h, self.act_fn))
 
 
 class LlamaDecoderLayer(nn.Module):

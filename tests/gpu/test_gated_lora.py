@@ -116,3 +116,40 @@ def test_silu_and_mul_lora_refuses_shapes_that_do_not_fit():
         silu_and_mul_lora(x, buf, (b, b[:, :, :16].contiguous()), slots)
     with pytest.raises(AssertionError, match="tokens"):
         silu_and_mul_lora(torch.zeros(33, 64, dtype=torch.float16, device=DEV), buf, (b, b), slots)
+
+
+@pytest.mark.parametrize("n_lora_tokens", [0, 7])
+@pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
+def test_ops_path_equals_linear_with_lora_then_silu_and_mul(n_lora_tokens, K, monkeypatch):
+    """TritonLoRAOps.silu_and_mul_with_lora (shrink, plain GEMM, the gated kernel) against the path it
+    replaces (linear_with_lora, then silu_and_mul); a batch of base tokens only gets the base bits. And it
+    declines (None) where ``prefer`` says no, and refuses a bad LORASERVE_GATED_LORA."""
+    from loraserve.layers.triton_elementwise import silu_and_mul
+    from loraserve.lora.ops.triton import gated_lora
+    from loraserve.lora.ops.triton_ops import TritonLoRAOps
+
+    g = torch.Generator().manual_seed(n_lora_tokens + K)
+    M, D, S, R = 12, 128, 4, 16
+    ranks = [16, 8, 16, 4]
+    x = torch.randn(M, K, generator=g).to(DEV, torch.float16)
+    w = (torch.randn(2 * D, K, generator=g) * 0.05).to(DEV, torch.float16)
+    As, Bs = lora_stacks(g, S, R, K, (D, D), ranks, torch.float32)
+    slots = [t % S if t < n_lora_tokens else -1 for t in range(M)]
+    mapping = LoRAMapping.build(slots, slots, DEV)
+    meta = mapping.token_meta or SegmentMeta.build(
+        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
+    )
+    ops = TritonLoRAOps(DEV)
+    out = ops.silu_and_mul_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
+    assert out is not None, "a small gate_up at decode sizes takes the gated path"
+    ref = silu_and_mul(ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots))
+    assert rel_err(out, ref) < 2e-3
+    if n_lora_tokens == 0:
+        assert torch.equal(out, silu_and_mul(decode_linear(x, w)))
+    monkeypatch.setattr(gated_lora, "GATED_MAX_WEIGHT", 2 * D * K - 1)
+    assert ops.silu_and_mul_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots) is None
+    monkeypatch.setenv("LORASERVE_GATED_LORA", "1")
+    assert ops.silu_and_mul_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots) is not None
+    monkeypatch.setenv("LORASERVE_GATED_LORA", "yes")
+    with pytest.raises(ValueError, match="LORASERVE_GATED_LORA"):
+        ops.silu_and_mul_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)

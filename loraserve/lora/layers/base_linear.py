@@ -153,17 +153,28 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         launch instead of a GEMM, a shrink and an expand; ``LORASERVE_DECODE_LINEAR=0`` turns it off);
         otherwise, and everywhere else, the GEMM then ``apply_lora``.
         """
+        if self._fusable():
+            y = self.punica_wrapper.linear_with_lora(
+                x, weight, bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks
+            )
+            if y is not None:
+                return y
+        return self.apply_lora(linear(x, weight, bias), x)
+
+    def _fusable(self) -> bool:
+        """Whether this step's LoRA may take a kernel path that fuses it with the GEMM (the punica
+        wrapper's ``linear_with_lora`` and the like): a kernel backend, adapters in the batch, one rank,
+        and no active slot with PEFT's extras (bias, DoRA), which only ``apply_lora`` knows."""
         mapping = current_lora_mapping()
         pw = self.punica_wrapper
-        if pw is not None and pw.fuses_linear and mapping is not None and mapping.has_lora and self.tp_size == 1:
-            active = mapping.active_slots
-            if not any(self.slot_has_bias[s] or self.slot_has_dora[s] for s in active):
-                y = pw.linear_with_lora(
-                    x, weight, bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks
-                )
-                if y is not None:
-                    return y
-        return self.apply_lora(linear(x, weight, bias), x)
+        if pw is None or not pw.fuses_linear or mapping is None or not mapping.has_lora or self.tp_size != 1:
+            return False
+        return not any(self.slot_has_bias[s] or self.slot_has_dora[s] for s in mapping.active_slots)
+
+    def forward_activated(self, x: torch.Tensor, act) -> torch.Tensor:
+        """act(self(x)): a gated MLP's projection and activation (``MergedColumnParallelLinear``'s
+        contract); wrappers with a fused path for it override this."""
+        return act(self(x))
 
     def apply_lora(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out + per-token LoRA delta, accumulated in fp32 and rounded once (PEFT's non-mixed path)."""

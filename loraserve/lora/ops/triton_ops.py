@@ -15,6 +15,7 @@ import os
 import torch
 
 from loraserve.layers import triton_decode_linear as decode
+from loraserve.lora.ops.triton import gated_lora
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
@@ -105,6 +106,39 @@ class TritonLoRAOps:
         pdl = use_pdl(x.device) and meta.num_segs > 0
         epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
+
+    def silu_and_mul_with_lora(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        ranks: list[int],
+        meta: SegmentMeta,
+        token_slots: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """silu(gate) * up of a gate/up projection with its LoRA delta, as three launches: the shrink, the
+        plain GEMM (streaming W while the shrink runs), and SiLU-and-mul with the delta added first
+        (``gated_lora``); or None where that is not the faster path (``gated_lora.prefer``) or does not
+        apply: the caller then takes ``linear_with_lora`` and SiLU-and-mul. The numbers of that path."""
+        if meta is None or not self.fuses_linear or len(lora_b_stacked) != 2:
+            return None
+        slices = tuple(b.shape[2] for b in lora_b_stacked)
+        tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
+        if slices[0] != slices[1] or not decode.supports(x, weight, slices, tiles):
+            return None
+        if not gated_lora.prefer(weight.shape[0], weight.shape[1]):
+            return None
+        rank_dev = self.ranks_tensor(ranks)
+        max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
+        if max_rank == 0:
+            return None
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
+        # NOTE: with no segment the shrink launched nothing: the GEMM is then a plain link of the PDL chain
+        after = use_pdl(x.device) and meta.num_segs > 0
+        y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=after)
+        return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots)
 
     def add_lora_embedding(
         self,

@@ -22,6 +22,8 @@ transposed as ``expand_block`` computes them (columns along the MMA's M).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -95,9 +97,22 @@ def _silu_and_mul_lora_kernel(
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], (silu * u).to(out_dt), mask=mask)
 
 
-def default_block_n(lora_dtype: torch.dtype) -> int:
-    """Columns per program (of each half): B's two chunks live in registers, so fp32 B takes half as many."""
-    return 32 if lora_dtype == torch.float32 else 64
+# Knob (a module attribute; LORASERVE_GATED_LORA=1/0 forces the path on/off): the largest gate_up weight (N x K
+# elements) for which ``prefer`` takes this path over the delta in the GEMM's epilogue. Measured on the H200
+# (session 11, bench_decode_linear.py --gated, 32 tokens, 8 adapters, LoRA cost of gate_up + SiLU-and-mul):
+# Qwen2.5-0.5B's (9728 x 896) 3.1 vs 4.7 µs with bf16 B, 4.6 vs 7.3 with fp32 B; Llama-8B's (28672 x 4096)
+# 5.7 vs 5.0 and 8.6 vs 8.4: the epilogue's latency matters where the GEMM is short.
+GATED_MAX_WEIGHT = 1 << 25
+
+
+def prefer(N: int, K: int) -> bool:
+    """Whether a gate_up of this (N, K) weight should add its delta in SiLU-and-mul (GATED_MAX_WEIGHT)."""
+    forced = os.environ.get("LORASERVE_GATED_LORA")
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"LORASERVE_GATED_LORA={forced!r}: give 1 (on), 0 (off), or unset it for the default")
+        return forced == "1"
+    return N * K <= GATED_MAX_WEIGHT
 
 
 def silu_and_mul_lora(
@@ -105,8 +120,8 @@ def silu_and_mul_lora(
     buf: torch.Tensor,
     lora_b: tuple[torch.Tensor, torch.Tensor],
     token_slots: torch.Tensor,
-    block_n: int | None = None,
-    num_warps: int = 4,
+    block_n: int = 64,
+    num_warps: int = 8,
 ) -> torch.Tensor:
     """(M, 2D) base gate/up output + the delta of (buf, lora_b) per token's slot -> silu(gate) * up (M, D).
 
@@ -114,7 +129,9 @@ def silu_and_mul_lora(
     ``lora_shrink`` with ``zero_fill`` (P split-K planes, summed here). lora_b: gate's and up's
     (S, 1, D, R), contiguous, one dtype. token_slots: (M,) on the device, -1 = base. As a link of the
     PDL chain it must follow a kernel whose completion implies the shrink's (``decode_linear`` with
-    ``after_shrink``, or any ordinary launch order).
+    ``after_shrink``, or any ordinary launch order). block_n, num_warps: the fastest of the --gated
+    sweep (64 columns, 8 warps: Qwen-0.5B's gate_up 3.1 µs of LoRA with bf16 B against 3.2 on 4 warps, 5.9
+    at 32 columns, 4.1 at 128; fp32 B 4.6 against 5.3, 7.5 and 7.4).
     """
     M, D2 = y.shape
     D = D2 // 2
@@ -131,7 +148,6 @@ def silu_and_mul_lora(
         )
         assert b.stride()[1:] == (D * R, R, 1), "B must be contiguous (out, R) per slot"
     assert token_slots.shape == (M,), f"token_slots {tuple(token_slots.shape)} does not fit {M} tokens"
-    block_n = block_n or default_block_n(bg.dtype)
     block_r = max(16, triton.next_power_of_2(R))
     lcdt = compute_dtype_of(torch.float32 if bg.dtype == torch.float32 else bg.dtype, bg.dtype)
     out = torch.empty(M, D, dtype=y.dtype, device=y.device)
