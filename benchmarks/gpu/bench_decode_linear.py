@@ -184,6 +184,10 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "bf16 LoRA, neither": ("bf16 A and B, no B pull, a slice a shrink program (session 9's default)",
                            {"pf_ahead": 0, "fuse_decode": False, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, B 8 steps ahead": ("bf16 A and B, B pulled 8 K steps before the end", {"pf_ahead": 8, "lora_dtype": torch.bfloat16}),
+    "bf16 LoRA, 64 columns per MMA": ("bf16 A and B, the epilogue's MMAs over 4 slots (2 chunks)",
+                                      {"epi_cols": 64, "lora_dtype": torch.bfloat16}),
+    "bf16 LoRA, B 2 steps ahead": ("bf16 A and B, B pulled 2 K steps before the end", {"pf_ahead": 2, "lora_dtype": torch.bfloat16}),
+    "bf16 LoRA, B 6 steps ahead": ("bf16 A and B, B pulled 6 K steps before the end", {"pf_ahead": 6, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, shrink K blocks 256/1024": ("bf16 A and B, down's decode shrink on K blocks of 1024 (half the programs)",
                                             {"block_k": (256, 1024), "lora_dtype": torch.bfloat16}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
@@ -374,7 +378,7 @@ def gated(layers: int, configs=((64, 4), (64, 8), (128, 8))) -> None:
 
     ops = TritonLoRAOps(DEV)
     gate_ups = [(m, *next(s for s in SHAPES[m] if s[0] == "gate_up")[1:]) for m in ("llama-8b", "qwen-0.5b")]
-    # between the two (where gated_lora.GATED_MAX_WEIGHT is drawn): Llama-3.2-1B, Qwen2.5-1.5B, Llama-3.2-3B
+    # between the two (where gated_lora.GATED_MAX_K is drawn): Llama-3.2-1B, Qwen2.5-1.5B, Llama-3.2-3B
     gate_ups += [("llama-1b", 2048, (8192, 8192)), ("qwen-1.5b", 1536, (8960, 8960)), ("llama-3b", 3072, (8192, 8192))]
     for model, K, slices in gate_ups:
         case = Case(K, slices, 32, layers)
@@ -402,8 +406,8 @@ def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def lora_tune(layers: int, ops_names=("gate_up", "down")) -> None:
-    """The fused LoRA op (the engine's default path) per tile config, Llama-8B shapes, 32 tokens, 8 fp32
+def lora_tune(layers: int, ops_names=("gate_up", "down"), lora_dtype=torch.float32) -> None:
+    """The fused LoRA op (the engine's default path) per tile config, Llama-8B shapes, 32 tokens, 8
     adapters: whether the LoRA'd layers want other tiles than the base ones (fewer stages, more programs
     resident, fewer waves after which the epilogue's latency shows)."""
     ops = TritonLoRAOps(DEV)
@@ -414,7 +418,7 @@ def lora_tune(layers: int, ops_names=("gate_up", "down")) -> None:
     for name, K, slices in SHAPES["llama-8b"]:
         if name not in ops_names:
             continue
-        lc = Case(K, slices, 32, layers, lora_dtype=torch.float32)
+        lc = Case(K, slices, 32, layers, lora_dtype=lora_dtype)
         default = dl.default_tiles(32, lc.N, K, torch.bfloat16)
         rows = []
         for t in configs:
@@ -426,7 +430,7 @@ def lora_tune(layers: int, ops_names=("gate_up", "down")) -> None:
                 print(f"  lora-tune {name} {t}: {type(e).__name__}", flush=True)
         rows.sort(key=lambda r: r[0])
         t_def = next((u for u, t in rows if t == default), float("nan"))
-        print(f"lora-tune {name}: default {default} {t_def:.1f} µs | best " +
+        print(f"lora-tune {name} {str(lora_dtype)[6:]}: default {default} {t_def:.1f} µs | best " +
               "; ".join(f"{u:.1f} {tuple(t.__dict__.values())}" for u, t in rows[:5]), flush=True)  # fmt: skip
         del lc
         torch.cuda.empty_cache()
@@ -477,13 +481,16 @@ def main() -> None:
     ap.add_argument("--matrix", action="store_true", help="only the LoRA cost per op under each knob of MATRIX")
     ap.add_argument("--rows", default=None, help="--matrix: only these rows of MATRIX (names separated by ';')")
     ap.add_argument("--lora-tune", action="store_true", help="only the fused LoRA op's time per tile config")
+    ap.add_argument("--lora-tune-ops", default="gate_up,down", help="--lora-tune: these ops")
+    ap.add_argument("--lora-tune-dtype", default="fp32", choices=["fp32", "bf16"], help="--lora-tune: the LoRA weights' dtype")
     ap.add_argument("--gated", action="store_true", help="only gate_up + SiLU-and-mul: the delta in the GEMM or in the activation")
     ap.add_argument("--trace", default=None, help="only the kernel timestamps of each op (profiler traces into this folder)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     if args.lora_tune:
-        lora_tune(args.layers)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.lora_tune_dtype]
+        lora_tune(args.layers, tuple(args.lora_tune_ops.split(",")), dtype)
         return
     if args.trace:
         trace(args.layers, args.trace)

@@ -62,6 +62,11 @@ instead of after the loop, measured slower: 22.7 vs 16.3 µs of LoRA cost per la
 vs 2.9), 31.6 vs 24.3 with fp32 B. Compiled for sm_90 the loop kept its 5-stage pipeline, but the
 delta's MMA operands took shared memory of their own (144-168 KB a program). Removed.
 
+NOTE: under split-K, every split computing its delta before its arrival (session 11, commit 0088130), so
+that the last arrival's round trips (its arrival, then the partials) overlap the delta's loads, measured
+slower with bf16 B (--matrix, LoRA cost: o 4.1 vs 3.2-3.4 µs, down 5.9 vs 4.2-4.4 in session 10's calls)
+and about the same with fp32 B (o 4.4 vs 4.5, down 6.0 vs 6.2). Removed.
+
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
 columns; with ``split_k`` > 1 several programs share one over slices of K, and the last to finish
@@ -203,10 +208,44 @@ def prefer_over_cublas(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _epilogue(acc, delta, pid_n, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + delta (HAS_LORA:
-    ``block_delta``'s, fp32), rounded, stored."""
+def _epilogue(
+    acc,
+    pid_n,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    stride_ym,
+    buf_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    slots_ptr,
+    S,
+    SPLIT_K,
+    N0,
+    N1,
+    stride_bsp,
+    stride_bi,
+    stride_bm,
+    stride_ws0,
+    stride_ws1,
+    stride_ws2,
+    R: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SLOTS_PER_CHUNK: tl.constexpr,
+    RED: tl.constexpr,
+    LORA_WDT: tl.constexpr,
+    LORA_CDT: tl.constexpr,
+    LORA_IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -217,6 +256,13 @@ def _epilogue(acc, delta, pid_n, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.
     y = acc.to(out_dt)  # (BLOCK_N, BLOCK_M): the base output, rounded as cuBLAS's would be
 
     if HAS_LORA:
+        # NOTE: slots and B are loaded here, after the K loop: loaded before it (held in registers
+        # across the loop) they cost gate_up 21.4 instead of 12.8 µs of LoRA (session 6, H200, 8 slots)
+        delta = block_delta(
+            pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
+            stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+            R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+        )  # fmt: skip
         y = (y.to(tl.float32) + delta).to(out_dt)
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -336,20 +382,13 @@ def _decode_linear_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
-    if HAS_LORA:
-        # NOTE: the delta is computed here, after the K loop: its slots and B loaded before the loop (held in
-        # registers across it) cost gate_up 21.4 instead of 12.8 µs of LoRA (session 6, H200, 8 slots).
-        # Under split-K every split computes it before its arrival below, so that the last arrival's round
-        # trips to memory (its arrival, then the partials) overlap the delta's loads instead of preceding them
-        delta = block_delta(
-            pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
-            stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-            R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
-        )  # fmt: skip
-    else:
-        delta = 0.0
     if SPLIT_W == 1:
-        _epilogue(acc, delta, pid_n, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, HAS_LORA, BLOCK_M, BLOCK_N)
+        _epilogue(
+            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
+            S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+            R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+        )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
         # arrive sums the planes in plane order (deterministic, whoever is last) and finishes the block.
@@ -366,7 +405,12 @@ def _decode_linear_kernel(
             for sp in tl.static_range(SPLIT_W):
                 total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            _epilogue(total, delta, pid_n, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, HAS_LORA, BLOCK_M, BLOCK_N)
+            _epilogue(
+                total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
+                S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+                R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+            )  # fmt: skip
     if USE_PDL:
         if not HAS_LORA:
             # (after_shrink) we read none of the shrink's output, but our dependents do: wait for it before

@@ -8,12 +8,13 @@ slot (``expand_block``: B_i[slot(t)] s_i[t] in fp32, s the shrink's output), and
 the activations' dtype: exactly the numbers of the GEMM with the delta in its epilogue followed by
 ``silu_and_mul`` (PEFT's ``result + lora_B(lora_A(x)) * scaling``, one rounding, then the activation).
 
-Why: in ``decode_linear`` the delta is an epilogue after each program's K loop, and gate_up's 448
-column blocks run in 1.7 waves of two programs an SM, so that epilogue's latency is paid in every
-wave: on a ready buffer it cost 5.8 µs of gate_up's 58 (H200, session 10, Llama-8B, 32 tokens, 8 bf16
-adapters), the largest LoRA cost of a layer. SiLU-and-mul is a launch of its own anyway; with the delta
-in it, gate_up's GEMM streams W without an epilogue and this kernel, a PDL dependent launched while the
-GEMM runs, loads its B (weights, written before the forward) before it waits for the GEMM.
+Why: in ``decode_linear`` the delta is an epilogue after each program's K loop, whose latency weighs
+where that loop is short. SiLU-and-mul is a launch of its own anyway; with the delta in it, gate_up's
+GEMM streams W without an epilogue and this kernel, a PDL dependent launched while the GEMM runs, loads
+its B (weights, written before the forward) before it waits for the GEMM. Measured (``prefer``): faster
+for small models (Qwen2.5-0.5B's gate_up, 32 tokens, 8 adapters: 3.1 instead of 4.7 µs of LoRA with
+bf16 B, 4.7 instead of 7.4 with fp32 B; the 8-adapter step 1.15x the base instead of 1.26x), not for
+Llama-8B's (5.7 vs 4.6 µs), so the engine takes it where K <= GATED_MAX_K.
 
 Layout: program p owns columns [p * BLOCK_N, (p + 1) * BLOCK_N) of the gate half and the same columns of
 the up half, for every token (up to BLOCK_M = 32): its two deltas are one MMA each per chunk of slots,
@@ -97,22 +98,27 @@ def _silu_and_mul_lora_kernel(
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], (silu * u).to(out_dt), mask=mask)
 
 
-# Knob (a module attribute; LORASERVE_GATED_LORA=1/0 forces the path on/off): the largest gate_up weight (N x K
-# elements) for which ``prefer`` takes this path over the delta in the GEMM's epilogue. Measured on the H200
-# (session 11, bench_decode_linear.py --gated, 32 tokens, 8 adapters, LoRA cost of gate_up + SiLU-and-mul):
-# Qwen2.5-0.5B's (9728 x 896) 3.1 vs 4.7 µs with bf16 B, 4.6 vs 7.3 with fp32 B; Llama-8B's (28672 x 4096)
-# 5.7 vs 5.0 and 8.6 vs 8.4: the epilogue's latency matters where the GEMM is short.
-GATED_MAX_WEIGHT = 1 << 25
+# Knob (a module attribute; LORASERVE_GATED_LORA=1/0 forces the path on/off): the largest K (the GEMM's inner
+# size, the MLP's hidden size) for which ``prefer`` takes this path over the delta in the GEMM's epilogue:
+# the epilogue's latency weighs where each program's K loop is short. Measured on the H200 (session 11,
+# bench_decode_linear.py --gated, 32 tokens, 8 adapters; LoRA cost of gate_up + SiLU-and-mul, this path
+# against the epilogue, µs, bf16 B / fp32 B):
+#   Qwen2.5-0.5B (2 x 4864 by K 896)     3.1 vs 4.7 / 4.7 vs 7.4
+#   Qwen2.5-1.5B (2 x 8960 by K 1536)    5.8 vs 5.8 / 6.6 vs 8.3
+#   Llama-3.2-1B (2 x 8192 by K 2048)    5.5 vs 5.3 / 8.1 vs 7.6
+#   Llama-3.2-3B (2 x 8192 by K 3072)    6.0 vs 5.8 / 8.5 vs 8.1
+#   Llama-3.1-8B (2 x 14336 by K 4096)   5.7 vs 4.6 / 8.4 vs 8.2
+GATED_MAX_K = 1536
 
 
 def prefer(N: int, K: int) -> bool:
-    """Whether a gate_up of this (N, K) weight should add its delta in SiLU-and-mul (GATED_MAX_WEIGHT)."""
+    """Whether a gate_up of this (N, K) weight should add its delta in SiLU-and-mul (GATED_MAX_K)."""
     forced = os.environ.get("LORASERVE_GATED_LORA")
     if forced:
         if forced not in ("0", "1"):
             raise ValueError(f"LORASERVE_GATED_LORA={forced!r}: give 1 (on), 0 (off), or unset it for the default")
         return forced == "1"
-    return N * K <= GATED_MAX_WEIGHT
+    return K <= GATED_MAX_K
 
 
 def silu_and_mul_lora(
