@@ -208,33 +208,17 @@ class PunicaWrapper:
         lora_a_stacked: tuple[torch.Tensor, ...],
         lora_b_stacked: tuple[torch.Tensor, ...],
         ranks: list[int],
+        then_silu_and_mul: bool = False,
     ) -> torch.Tensor | None:
         """The base GEMM and the LoRA delta in one go where a kernel does both (the GPU at decode sizes);
-        None elsewhere: then the caller runs ``F.linear`` and ``apply_lora_linear``."""
+        None elsewhere: then the caller runs ``F.linear`` and ``apply_lora_linear``. ``then_silu_and_mul``
+        (gate/up): silu(gate) * up of it, where a kernel path does that faster; None elsewhere."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.linear_with_lora(
-            x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots
-        )
-
-    def silu_and_mul_with_lora(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        lora_a_stacked: tuple[torch.Tensor, ...],
-        lora_b_stacked: tuple[torch.Tensor, ...],
-        ranks: list[int],
-    ) -> torch.Tensor | None:
-        """silu(gate) * up of a gate/up projection (its two slices) with the LoRA delta, where a kernel path
-        does it (the GPU at decode sizes, where faster than ``linear_with_lora`` and SiLU-and-mul); None
-        elsewhere: then the caller runs the projection and the activation."""
-        if not self.fuses_linear:
-            return None
-        mapping = self.mapping()
-        return self.kernels.silu_and_mul_with_lora(
-            x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots
+            x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots,
+            then_silu_and_mul,
         )
 
     def add_lora_embedding(

@@ -121,7 +121,7 @@ def test_silu_and_mul_lora_refuses_shapes_that_do_not_fit():
 @pytest.mark.parametrize("n_lora_tokens", [0, 7])
 @pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
 def test_ops_path_equals_linear_with_lora_then_silu_and_mul(n_lora_tokens, K, monkeypatch):
-    """TritonLoRAOps.silu_and_mul_with_lora (shrink, plain GEMM, the gated kernel) against the path it
+    """TritonLoRAOps.linear_with_lora(then_silu_and_mul=True) (shrink, plain GEMM, the gated kernel) against the path it
     replaces (linear_with_lora, then silu_and_mul); a batch of base tokens only gets the base bits. And it
     declines (None) where ``prefer`` says no, and refuses a bad LORASERVE_GATED_LORA."""
     from loraserve.layers.triton_elementwise import silu_and_mul
@@ -140,16 +140,16 @@ def test_ops_path_equals_linear_with_lora_then_silu_and_mul(n_lora_tokens, K, mo
         mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
     )
     ops = TritonLoRAOps(DEV)
-    out = ops.silu_and_mul_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
+    out = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots, then_silu_and_mul=True)
     assert out is not None, "a small gate_up at decode sizes takes the gated path"
     ref = silu_and_mul(ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots))
     assert rel_err(out, ref) < 2e-3
     if n_lora_tokens == 0:
         assert torch.equal(out, silu_and_mul(decode_linear(x, w)))
     monkeypatch.setattr(gated_lora, "GATED_MAX_K", K - 1)
-    assert ops.silu_and_mul_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots) is None
+    assert ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots, then_silu_and_mul=True) is None
     monkeypatch.setenv("LORASERVE_GATED_LORA", "1")
-    assert ops.silu_and_mul_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots) is not None
+    assert ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots, then_silu_and_mul=True) is not None
     monkeypatch.setenv("LORASERVE_GATED_LORA", "yes")
     with pytest.raises(ValueError, match="LORASERVE_GATED_LORA"):
-        ops.silu_and_mul_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
+        ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots, then_silu_and_mul=True)

@@ -83,62 +83,59 @@ class TritonLoRAOps:
         ranks: list[int],
         meta: SegmentMeta,
         token_slots: torch.Tensor,
+        then_silu_and_mul: bool = False,
     ) -> torch.Tensor | None:
         """x W^T + b + the per-token LoRA delta as two launches (shrink, then the GEMM with the expand
         in its epilogue, PDL-overlapped; the shrink launches while the kernel before it runs when that
         kernel is a link of the PDL chain, utils.pdl_chain), or None where ``decode_linear`` does not apply (too many
         tokens, fp32, slices that are not multiples of its column block): the caller then runs the
-        GEMM and ``add_lora_linear``. Same numbers as that path (decode_linear.py's docstring)."""
+        GEMM and ``add_lora_linear``. Same numbers as that path (decode_linear.py's docstring).
+
+        ``then_silu_and_mul`` (a gate/up projection, two equal slices): silu(gate) * up of that result, as
+        three launches: the shrink, the plain GEMM (streaming W while the shrink runs), and SiLU-and-mul
+        with the delta added first (``gated_lora``); or None where that is not the faster path
+        (``gated_lora.prefer``) or does not apply: the caller then takes the path above and SiLU-and-mul.
+        The same numbers as that path."""
+        tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
+        if then_silu_and_mul:
+            gate_up = len(lora_b_stacked) == 2 and lora_b_stacked[0].shape == lora_b_stacked[1].shape
+            if tiles is None or not gate_up or not gated_lora.prefer(weight.shape[0], weight.shape[1]):
+                return None
+        if tiles is None:
+            return None
+        shrunk = self._decode_shrink(x, lora_a_stacked, ranks, meta)
+        if shrunk is None:
+            return None if then_silu_and_mul else decode.decode_linear(x, weight, bias, tiles=tiles)
+        buf, pdl = shrunk
+        if then_silu_and_mul:
+            y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
+            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots)
+        epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
+        return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
+
+    def _decode_tiles(self, x, weight, lora_b_stacked, meta) -> decode.DecodeTiles | None:
+        """The decode GEMM's tiles for this LoRA'd product, or None where ``decode_linear`` does not apply
+        (no device mapping, too many tokens, fp32, slices that are not multiples of its column block)."""
         if meta is None or not self.fuses_linear:
             return None
         slices = tuple(b.shape[2] for b in lora_b_stacked)
         tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
-        if not decode.supports(x, weight, slices, tiles):
-            return None
-        rank_dev = self.ranks_tensor(ranks)
-        max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
-        if max_rank == 0:
-            return decode.decode_linear(x, weight, bias, tiles=tiles)
-        # zero_fill: the epilogue loads no rank, so every column of a LoRA token's row must be written
-        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
-        # NOTE: a PDL dependent may read x before its wait only because the shrink waited first; with no
-        # segment the shrink is not launched and the GEMM waits first, as a link of the PDL chain
-        pdl = use_pdl(x.device) and meta.num_segs > 0
-        epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
-        return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
+        return tiles if decode.supports(x, weight, slices, tiles) else None
 
-    def silu_and_mul_with_lora(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        lora_a_stacked: tuple[torch.Tensor, ...],
-        lora_b_stacked: tuple[torch.Tensor, ...],
-        ranks: list[int],
-        meta: SegmentMeta,
-        token_slots: torch.Tensor,
-    ) -> torch.Tensor | None:
-        """silu(gate) * up of a gate/up projection with its LoRA delta, as three launches: the shrink, the
-        plain GEMM (streaming W while the shrink runs), and SiLU-and-mul with the delta added first
-        (``gated_lora``); or None where that is not the faster path (``gated_lora.prefer``) or does not
-        apply: the caller then takes ``linear_with_lora`` and SiLU-and-mul. The numbers of that path."""
-        if meta is None or not self.fuses_linear or len(lora_b_stacked) != 2:
-            return None
-        slices = tuple(b.shape[2] for b in lora_b_stacked)
-        tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
-        if slices[0] != slices[1] or not decode.supports(x, weight, slices, tiles):
-            return None
-        if not gated_lora.prefer(weight.shape[0], weight.shape[1]):
-            return None
+    def _decode_shrink(self, x, lora_a_stacked, ranks, meta) -> tuple[torch.Tensor, bool] | None:
+        """The shrink of a decode-size fused path: (buf, whether the next launch is its PDL dependent), or
+        None when no slot has a rank (nothing to add).
+
+        zero_fill: the readers (the GEMM's epilogue, ``gated_lora``) load no rank, so every column of a
+        LoRA token's row is written. NOTE: a PDL dependent may read x before its wait only because the
+        shrink waited first; with no segment the shrink launches nothing and the next kernel is a plain
+        link of the PDL chain, which waits first."""
         rank_dev = self.ranks_tensor(ranks)
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return None
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
-        # NOTE: with no segment the shrink launched nothing: the GEMM is then a plain link of the PDL chain
-        after = use_pdl(x.device) and meta.num_segs > 0
-        y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=after)
-        return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots)
+        return buf, use_pdl(x.device) and meta.num_segs > 0
 
     def add_lora_embedding(
         self,
