@@ -19,6 +19,7 @@
 #                                               delta in its GEMM's epilogue or in the SiLU-and-mul launch)
 #   bash benchmarks/gpu/run_device.sh step      # every GPU test, bench_e2e both shapes without HF, --matrix rows default
 #                                               and bf16 LoRA, then --gated
+#   bash benchmarks/gpu/run_device.sh e2e-fast  # every GPU test, then bench_e2e both shapes without HF
 #   bash benchmarks/gpu/run_device.sh knobs11   # --matrix rows around the bf16 defaults (MMA columns, B pull steps), then
 #                                               --lora-tune with bf16 LoRA weights on the four ops
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
@@ -85,6 +86,10 @@ for stage in "$@"; do
             timeout 240 python3 benchmarks/gpu/bench_e2e.py --skip-hf --bf16-loras --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
             timeout 80 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt" | tail -14
             timeout 100 python3 benchmarks/gpu/bench_decode_linear.py --gated 2>&1 | tee "$OUT/gated.txt"
+            ;;
+        e2e-fast)
+            timeout 200 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
+            timeout 240 python3 benchmarks/gpu/bench_e2e.py --skip-hf --bf16-loras --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
             ;;
         knobs11)
             timeout 150 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA;bf16 LoRA, 64 columns per MMA;bf16 LoRA, B 2 steps ahead;bf16 LoRA, B 6 steps ahead;64 columns per MMA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt" | tail -8
