@@ -6,7 +6,8 @@ epilogue: the LoRA expand, in the same launch as the GEMM.
 where ``s`` is ``lora_shrink``'s output (x @ A_i[slot(t)]^T in fp32, as split-K planes that are summed here,
 or already summed by the shrink: one plane, the engine's default). The base
 layers call it without the epilogue where it beats cuBLAS (``prefer_over_cublas``); the LoRA layers
-call it with the epilogue (lora/ops/triton_ops.py).
+call it with the epilogue (lora/ops/triton_ops.py), or, for a small model's gate_up, without it as the
+shrink's dependent (``after_shrink``) with the delta added in SiLU-and-mul (lora/ops/triton/gated_lora.py).
 
 Why: at decode sizes a LoRA'd op was three launches (cuBLAS GEMM, shrink, expand), and the two LoRA
 kernels cost ~10-15 µs per op on the H200 whatever they moved: launch and latency, not bytes. Here the
@@ -15,8 +16,9 @@ of W, adds the delta of those columns (``expand_block.block_delta``). The shrink
 own before the GEMM; under programmatic dependent launch (Hopper) the GEMM starts while the shrink
 runs, streams W, and waits (``gdc_wait``) only before reading the shrink's partials. Either way the
 kernel is a link of the decode step's PDL chain (``utils.pdl_chain``): it lets its dependent launch
-at once; without the epilogue (or when the shrink launched nothing) it also waits for the kernel
-before it before reading x, and with it the shrink has waited for x.
+at once; as the shrink's dependent (with the epilogue, or ``after_shrink``) it reads x at once, the
+shrink having waited for x, and waits at the epilogue (or, after_shrink, at its end, so that its own
+completion implies the shrink's); otherwise it waits for the kernel before it before reading x.
 
 NOTE: the shrink inside this launch was tried (session 6, commit 71c6a33): the first programs, at most
 one per SM, computed the shrink's units before their K loop and published them through an atomic

@@ -99,6 +99,7 @@ class TritonLoRAOps:
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
         if then_silu_and_mul:
             gate_up = len(lora_b_stacked) == 2 and lora_b_stacked[0].shape == lora_b_stacked[1].shape
+            gate_up = gate_up and lora_b_stacked[0].shape[2] % gated_lora.DEFAULT_BLOCK_N == 0
             if tiles is None or not gate_up or not gated_lora.prefer(weight.shape[0], weight.shape[1]):
                 return None
         if tiles is None:

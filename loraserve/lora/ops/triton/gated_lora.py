@@ -10,8 +10,8 @@ the activations' dtype: exactly the numbers of the GEMM with the delta in its ep
 
 Why: in ``decode_linear`` the delta is an epilogue after each program's K loop, whose latency weighs
 where that loop is short. SiLU-and-mul is a launch of its own anyway; with the delta in it, gate_up's
-GEMM streams W without an epilogue and this kernel, a PDL dependent launched while the GEMM runs, loads
-its B (weights, written before the forward) before it waits for the GEMM. Measured (``prefer``): faster
+GEMM streams W without an epilogue and this kernel, a link of the PDL chain launched while the GEMM
+runs, loads its B (weights, written before the forward) before it waits for the GEMM. Measured (``prefer``): faster
 for small models (Qwen2.5-0.5B's gate_up, 32 tokens, 8 adapters: 3.1 instead of 4.7 µs of LoRA with
 bf16 B, 4.7 instead of 7.4 with fp32 B; the 8-adapter step 1.15x the base instead of 1.26x), not for
 Llama-8B's (5.7 vs 4.6 µs), so the engine takes it where K <= GATED_MAX_K.
@@ -33,6 +33,7 @@ from loraserve.lora.ops.triton.expand_block import expand_chunk, lora_b_chunk, s
 from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, sum_planes, tl_dtype
 
 MAX_TOKENS = 32  # one tile of tokens; a decode step's batch (decode_linear.MAX_TOKENS)
+DEFAULT_BLOCK_N = 64  # columns of each half a program owns (the --gated sweep's fastest; silu_and_mul_lora)
 
 
 @triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
@@ -87,7 +88,7 @@ def _silu_and_mul_lora_kernel(
         hu = sum_planes(hg_ptrs + stride_bi, h_mask, SPLIT_K, stride_bsp, RED, False)
         dg = expand_chunk(dg, bg, hg, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
         du = expand_chunk(du, bu, hu, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
-    if PDL_CHAIN:  # (again: with no slot the loop never waited; a wait that has been met returns at once)
+    if PDL_CHAIN:  # (S >= 1, so the loop has waited: a safety for S == 0; a met wait returns at once)
         tl.extra.cuda.gdc_wait()
     mask = n_mask[:, None] & m_mask[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -99,7 +100,7 @@ def _silu_and_mul_lora_kernel(
 
 
 # Knob (a module attribute; LORASERVE_GATED_LORA=1/0 forces the path on/off): the largest K (the GEMM's inner
-# size, the MLP's hidden size) for which ``prefer`` takes this path over the delta in the GEMM's epilogue:
+# size: the model's hidden_size) for which ``prefer`` takes this path over the delta in the GEMM's epilogue:
 # the epilogue's latency weighs where each program's K loop is short. Measured on the H200 (session 11,
 # bench_decode_linear.py --gated, 32 tokens, 8 adapters; LoRA cost of gate_up + SiLU-and-mul, this path
 # against the epilogue, µs, bf16 B / fp32 B):
@@ -126,14 +127,14 @@ def silu_and_mul_lora(
     buf: torch.Tensor,
     lora_b: tuple[torch.Tensor, torch.Tensor],
     token_slots: torch.Tensor,
-    block_n: int = 64,
+    block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = 8,
 ) -> torch.Tensor:
     """(M, 2D) base gate/up output + the delta of (buf, lora_b) per token's slot -> silu(gate) * up (M, D).
 
     y: bf16/fp16/fp32, contiguous along its columns, M <= MAX_TOKENS. buf: (P, 2, M, R) fp32 from
     ``lora_shrink`` with ``zero_fill`` (P split-K planes, summed here). lora_b: gate's and up's
-    (S, 1, D, R), contiguous, one dtype. token_slots: (M,) on the device, -1 = base. As a link of the
+    (S, 1, D, R), contiguous, one dtype; D a multiple of block_n. token_slots: (M,) on the device, -1 = base. As a link of the
     PDL chain it must follow a kernel whose completion implies the shrink's (``decode_linear`` with
     ``after_shrink``, or any ordinary launch order). block_n, num_warps: the fastest of the --gated
     sweep (64 columns, 8 warps: Qwen-0.5B's gate_up 3.1 µs of LoRA with bf16 B against 3.2 on 4 warps, 5.9
@@ -154,6 +155,8 @@ def silu_and_mul_lora(
         )
         assert b.stride()[1:] == (D * R, R, 1), "B must be contiguous (out, R) per slot"
     assert token_slots.shape == (M,), f"token_slots {tuple(token_slots.shape)} does not fit {M} tokens"
+    # B is read unmasked along its columns (lora_b_chunk): a partial block would read past D
+    assert D % block_n == 0, f"D={D} (each half of y) must be a multiple of block_n={block_n}: give a smaller block_n"
     block_r = max(16, triton.next_power_of_2(R))
     lcdt = compute_dtype_of(torch.float32 if bg.dtype == torch.float32 else bg.dtype, bg.dtype)
     out = torch.empty(M, D, dtype=y.dtype, device=y.device)

@@ -45,9 +45,12 @@ def pdl_chain(device: torch.device) -> bool:
     are hidden. Correct whatever comes before or after a link: a predecessor that never triggers
     (cuBLAS, torch) only makes the launch ordinary. The rule every PDL dependent keeps: before its
     wait it reads only what was written before the forward (weights, the mapping) or what its
-    predecessor's own wait already covered (the fused GEMM reads x before its wait: the shrink before
-    it waited for x before letting it launch), and it writes only buffers no earlier kernel still uses
-    (the split-K partials and counters of its own persistent buffers)."""
+    predecessor's own wait already covered (the GEMM after a shrink, with the epilogue or
+    ``after_shrink``, reads x before its wait: the shrink waited for x before letting it launch; the
+    gated SiLU-and-mul loads its B before its wait), and it writes only buffers no earlier kernel still
+    uses (the split-K partials and counters of its own persistent buffers). A kernel whose successor
+    reads what its predecessor wrote waits before it ends (``decode_linear``'s after_shrink: the gated
+    kernel after it reads the shrink's buf)."""
     return PDL_CHAIN and use_pdl(device)
 
 
