@@ -35,12 +35,11 @@ SIXTEENS = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", "N0"
             "stride_bm", "stride_ws0", "stride_ws1", "stride_ws2"}  # fmt: skip
 
 
-def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0, pf_ahead: int = 0,
-               defer: bool = False):
+def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0, pf_ahead: int = 0):
     """The kernel as decode_linear launches it for 32 tokens with the default tiles (bf16 x and W;
     8 slots of rank 16 when lora_dtype is "fp32" or "bf16"; ``maxnreg``: a register cap, the launch
     option, which session 9 timed and dropped; ``pf_ahead``: the B pull's K steps, main() passes the
-    default of the dtype, dl.prefetch_ahead; ``defer``: the variant with helper programs, DEFER_DELTA)."""
+    default of the dtype, dl.prefetch_ahead)."""
     N = sum(slices)
     tiles = dl.default_tiles(32, N, K, None)
     lora = lora_dtype is not None
@@ -54,7 +53,7 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
         RED=1, SPLIT_W=tiles.split_k, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl.bfloat16, IEEE=False, LORA_WDT=wdt, LORA_CDT=wdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
         WAIT_FIRST=not lora, PF_AHEAD=pf_ahead if lora else 0, PF_SLOTS=8,
-        PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype == "bf16" else 4) // 128), DEFER=lora and defer,
+        PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype == "bf16" else 4) // 128),
     )  # fmt: skip
     fn = dl._decode_linear_kernel
     sig, const, attrs = {}, {}, {}
@@ -88,22 +87,19 @@ def registers_and_stack(kernel) -> tuple[int, int]:
 def main() -> None:
     print("| op | LoRA B | epilogue columns per MMA | register cap | registers | spill bytes | shared KB | programs per SM (regs, smem) | programs | waves |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    configs = [(None, 0, 0, False), ("fp32", 128, 0, False), ("fp32", 64, 0, False), ("fp32", 32, 0, False),
-               ("fp32", 128, 168, False), ("bf16", 128, 0, False), ("bf16", 32, 0, False), ("bf16", 128, 168, False),
-               ("fp32", 128, 0, True), ("bf16", 128, 0, True)]  # fmt: skip
+    configs = [(None, 0, 0), ("fp32", 128, 0), ("fp32", 64, 0), ("fp32", 32, 0), ("fp32", 128, 168),
+               ("bf16", 128, 0), ("bf16", 32, 0), ("bf16", 128, 168)]  # fmt: skip
     for name, K, slices in OPS:
-        for lora_dtype, columns, cap, defer in configs:
-            if defer and name != "gate_up":  # (the only op of several waves)
-                continue
+        for lora_dtype, columns, cap in configs:
             pf = dl.prefetch_ahead(torch.bfloat16 if lora_dtype == "bf16" else torch.float32)
-            k, tiles = compile_op(K, slices, lora_dtype, columns, cap, pf, defer)
+            k, tiles = compile_op(K, slices, lora_dtype, columns, cap, pf)
             regs, stack = registers_and_stack(k)
             threads = 32 * tiles.num_warps
             by_regs = SM_REGS // (((regs + 7) // 8 * 8) * threads)
             by_smem = SM_SMEM // (k.metadata.shared + RESERVED)
             per_sm = min(by_regs, by_smem, 2048 // threads, 32)
             programs = triton.cdiv(sum(slices), tiles.block_n) * tiles.split_k
-            print(f"| {name}{', deferred' if defer else ''} | {lora_dtype or '-'} | {columns or '-'} | {cap or '-'} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} | "
+            print(f"| {name} | {lora_dtype or '-'} | {columns or '-'} | {cap or '-'} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} | "
                   f"{per_sm} ({by_regs}, {by_smem}) | {programs} | {programs / (132 * per_sm):.2f} |", flush=True)  # fmt: skip
 
 

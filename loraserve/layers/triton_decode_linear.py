@@ -69,6 +69,14 @@ that the last arrival's round trips (its arrival, then the partials) overlap the
 slower with bf16 B (--matrix, LoRA cost: o 4.1 vs 3.2-3.4 µs, down 5.9 vs 4.2-4.4 in session 10's calls)
 and about the same with fp32 B (o 4.4 vs 4.5, down 6.0 vs 6.2). Removed.
 
+NOTE: helper programs for a GEMM of several waves (session 12, commit 47671fa; gate_up: 448 blocks, 264
+slots, 80 idle in the second wave): the first wave's blocks stored their base output and a ready flag
+and left, and helpers (the grid's last programs, on the last wave's idle slots) added those deltas while
+the second wave streamed W, so that only the last wave waited on an epilogue. Same bits as the epilogue
+(interpreter and GPU tests); slower (--matrix, gate_up's LoRA cost 6.5 vs 5.9 µs with bf16 B, 9.5 vs 9.0
+with fp32 B) and the same end to end (8-adapter step 5.29 vs 5.30 ms with bf16 weights, 5.55 vs 5.56
+fp32, in the same call): the first wave's epilogue is not what the op waits on. Removed.
+
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
 columns; with ``split_k`` > 1 several programs share one over slices of K, and the last to finish
@@ -129,42 +137,6 @@ def prefetch_ahead(b_dtype: torch.dtype) -> int:
     if PREFETCH_B_AHEAD is not None:
         return PREFETCH_B_AHEAD
     return 0 if b_dtype == torch.float32 else 4
-
-
-# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_DEFER_DELTA=1 turns it on): where a
-# LoRA'd GEMM's column blocks take more than one wave of programs and the last wave leaves slots idle
-# (Llama-8B's gate_up: 448 blocks, 264 slots on the H200, 80 idle in the second wave), the blocks of every
-# wave but the last store their base output and leave; helper programs (the grid's last ones, on the idle
-# slots of the last wave) add those blocks' deltas while the last wave streams W. So only the last wave
-# waits on an epilogue. Same bits as the epilogue: the helper reads back the rounded base output.
-DEFER_DELTA: bool = os.environ.get("LORASERVE_DEFER_DELTA", "0") == "1"
-MIN_HELPERS = 8  # fewer idle slots in the last wave than this: no helpers (each would add many blocks serially)
-
-
-def wave_slots(device: torch.device, tiles: DecodeTiles, elem_size: int) -> int:
-    """Programs of these tiles that run at once on the device: SMs x the programs that fit one SM's shared
-    memory (the K loop's pipeline, num_stages x (BLOCK_N + 32 tokens) x BLOCK_K elements; 227 KB an SM
-    on Hopper). benchmarks/gpu/kernel_resources.py reads the compiled sizes: 96 KB for 4 stages (2 an SM),
-    120 KB for 5 (1 an SM), as this estimate gives."""
-    if device.type != "cuda":
-        return 1 << 30  # (the interpreter runs programs one by one: one wave, nothing deferred)
-    per_program = tiles.num_stages * (tiles.block_n + MAX_TOKENS) * tiles.block_k * elem_size
-    per_sm = max(1, (227 * 1024) // per_program)
-    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
-
-
-def defer_plan(n_tiles: int, wave: int) -> tuple[int, int]:
-    """(blocks whose delta a helper adds, helper programs) for n_tiles GEMM programs, ``wave`` at a time:
-    every wave's but the last, helped from the last wave's idle slots; (0, 0) where the blocks fit one
-    wave, the last wave is full, or it leaves fewer than MIN_HELPERS slots idle.
-
-    Helpers are the grid's last programs: blocks are dispatched in order, so when a helper runs, every
-    GEMM program has been dispatched and the blocks it waits for make progress (no deadlock)."""
-    rem = n_tiles % wave
-    if n_tiles <= wave or rem == 0 or wave - rem < MIN_HELPERS:
-        return 0, 0
-    n_defer = n_tiles - rem
-    return n_defer, min(wave - rem, n_defer)
 
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
@@ -310,38 +282,6 @@ def _epilogue(
 
 
 @triton.jit
-def _add_deferred_deltas(
-    h, n_defer, n_helpers, rdy_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
-    S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-    R: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr, RED: tl.constexpr,
-    LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr, LORA_IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Helper h (of n_helpers): for blocks h, h + n_helpers, ... < n_defer, compute the delta (B, then
-    the shrink's buf), wait for the block's base output (its ready flag), add, store, and put the flag
-    back to zero for the next launch. y = round(round(base) + delta), as the epilogue's."""
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    if USE_PDL:  # (block_delta waits too; this covers a helper with no block)
-        tl.extra.cuda.gdc_wait()
-    for t in range(h, n_defer, n_helpers):
-        delta = block_delta(
-            t, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
-            stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-            R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
-        )  # fmt: skip
-        while tl.atomic_add(rdy_ptr + t, 0, sem="acquire", scope="gpu") == 0:
-            pass
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-        mask = (offs_n < N)[:, None] & m_mask[None, :]
-        # .cg: another SM wrote the base output during this launch (L1 is not coherent across SMs)
-        y = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(rdy_ptr + t, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R: tl.constexpr,
                 NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, PF_SLOTS: tl.constexpr, PF_LINES: tl.constexpr):  # fmt: skip
     """Pull into L2 the B that this column block's epilogue will load (every slot's BLOCK_N x R, contiguous
@@ -357,17 +297,14 @@ def _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws
 
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
 # of 16 and vectorizes the loads; only M (the token count) is a runtime value.
-@triton.jit(do_not_specialize=["M", "S", "SPLIT_K", "n_tiles", "n_defer", "n_helpers"])
+@triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
 def _decode_linear_kernel(
     x_ptr,
     w_ptr,
     bias_ptr,
     y_ptr,
     ws_ptr,  # fp32 (SPLIT_W, n_blocks, BLOCK_N, BLOCK_M): split-K partials (SPLIT_W > 1)
-    cnt_ptr,  # int32 (n_blocks,): arrivals per column block (SPLIT_W > 1), or ready flags (DEFER); zero between launches
-    n_tiles,  # (DEFER) GEMM programs; the n_helpers programs after them add the deltas of blocks < n_defer
-    n_defer,
-    n_helpers,
+    cnt_ptr,  # int32 (n_blocks,): arrivals per column block, zero between launches (SPLIT_W > 1)
     M,
     N,
     K,
@@ -415,18 +352,10 @@ def _decode_linear_kernel(
     PF_AHEAD: tl.constexpr,  # (HAS_LORA) K steps before the loop's end at which B is pulled into L2 (0: never)
     PF_SLOTS: tl.constexpr,  # slots whose B is pulled (a power of 2 >= S)
     PF_LINES: tl.constexpr,  # 128-byte lines of one slot's B for this block's columns (a power of 2)
-    DEFER: tl.constexpr,  # (HAS_LORA, SPLIT_W == 1) helpers add the deltas of blocks < n_defer (DEFER_DELTA)
 ):
     pid = tl.program_id(0)
     if PDL_CHAIN:
         pdl_link(WAIT_FIRST)
-    if DEFER and pid >= n_tiles:
-        _add_deferred_deltas(
-            pid - n_tiles, n_defer, n_helpers, cnt_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
-            slots_ptr, S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-            R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
-        )  # fmt: skip
-        return
     if SPLIT_W == 1:
         pid_n = pid
         k_lo = pid * 0
@@ -444,8 +373,6 @@ def _decode_linear_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if PF_AHEAD > 0:  # the K step at which this program pulls its epilogue's B into L2
         k_pf = k_lo + tl.maximum(tl.cdiv(k_hi - k_lo, BLOCK_K) - PF_AHEAD, 0) * BLOCK_K
-        if DEFER:  # a helper adds this block's delta (and loads its B)
-            k_pf = tl.where(pid < n_defer, -1, k_pf)
     for k in range(k_lo, k_hi, BLOCK_K):
         if PF_AHEAD > 0:
             if k == k_pf:
@@ -465,18 +392,7 @@ def _decode_linear_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
-    if DEFER and pid < n_defer:
-        # the base output only, then the ready flag (the split-K arrival's pattern: every thread's
-        # stores, a CTA barrier, one release at GPU scope); a helper adds the delta
-        _epilogue(
-            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
-            S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-            R, HAS_BIAS, False, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
-        )  # fmt: skip
-        tl.debug_barrier()
-        tl.atomic_xchg(cnt_ptr + pid_n, 1, sem="release", scope="gpu")
-    elif SPLIT_W == 1:
+    if SPLIT_W == 1:
         _epilogue(
             acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
@@ -611,13 +527,8 @@ def decode_linear(
     if split > 1:
         ws = persistent_buffer(x.device, "decode_linear/partials", split * n_blocks * tiles.block_n * block_m, torch.float32)
         cnt = persistent_buffer(x.device, "decode_linear/arrivals", n_blocks)
-    n_defer, n_helpers = 0, 0
-    if lora is not None and split == 1 and DEFER_DELTA:
-        n_defer, n_helpers = defer_plan(n_blocks, wave_slots(x.device, tiles, x.element_size()))
-        if n_helpers:
-            cnt = persistent_buffer(x.device, "decode_linear/ready", n_blocks)
-    _decode_linear_kernel[(n_blocks * split + n_helpers,)](
-        x, weight, bias if bias is not None else x, y, ws, cnt, n_blocks * split, n_defer, n_helpers, M, N, K, k_per_split,
+    _decode_linear_kernel[(n_blocks * split,)](
+        x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0),
         *lora_args,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
@@ -627,7 +538,7 @@ def decode_linear(
         # NOTE: as the shrink's dependent (USE_PDL) we may read x at once: the shrink waited for it before
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
         USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        launch_pdl=pdl or chain, DEFER=n_helpers > 0,
+        launch_pdl=pdl or chain,
         **pf,
         **lora_consts,
     )  # fmt: skip

@@ -200,57 +200,6 @@ def test_linear_with_lora_knobs_keep_the_numbers(K, fuse, ahead, monkeypatch):
     assert not torch.equal(y, decode_linear(x, w))
 
 
-def test_defer_plan_helps_every_wave_but_the_last_from_its_idle_slots():
-    from loraserve.layers.triton_decode_linear import MIN_HELPERS, defer_plan
-
-    assert defer_plan(448, 264) == (264, 80)  # Llama-8B's gate_up on the H200: 2 programs an SM
-    assert defer_plan(700, 264) == (528, 92)
-    assert defer_plan(96, 132) == (0, 0)  # one wave: nothing to overlap
-    assert defer_plan(528, 264) == (0, 0)  # the last wave is full: no idle slot
-    assert defer_plan(264 * 2 - MIN_HELPERS + 1, 264) == (0, 0)  # too few idle slots
-    assert defer_plan(270, 264) == (264, 258)
-
-
-@pytest.mark.parametrize("wave", [3, 5, 7], ids=["1-helper-6-blocks", "2-helpers", "1-helper-7-blocks"])
-@pytest.mark.parametrize("bias", [False, True])
-def test_deferred_deltas_give_the_epilogues_bits(wave, bias, monkeypatch):
-    """DEFER_DELTA: the blocks of every wave but the last store their base output and helper programs
-    add their deltas; y has the same bits as with every delta in its block's epilogue, tokens of no
-    adapter (or a rank-0 slot) get the base output, and the ready flags are back at zero."""
-    from loraserve.layers import triton_decode_linear as dl
-    from loraserve.lora.ops.triton import utils as triton_utils
-
-    g = torch.Generator().manual_seed(wave)
-    M, outs, S, R, K = 12, (256, 128, 128), 4, 16, 256
-    tiles = default_tiles(M, sum(outs), K, torch.float16)
-    assert tiles.split_k == 1 and sum(outs) // tiles.block_n == 8
-    ranks = [16, 0, 16, 4]
-    x = torch.randn(M, K, generator=g).to(DEV, torch.float16)
-    w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
-    b = torch.randn(sum(outs), generator=g).to(DEV, torch.float16) if bias else None
-    As, Bs = lora_stacks(g, S, R, K, outs, ranks, torch.float32)
-    slots = [t % S if t < 9 else -1 for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
-    ops = TritonLoRAOps(DEV)
-    monkeypatch.setattr(dl, "DEFER_DELTA", False)
-    ref = ops.linear_with_lora(x, w, b, As, Bs, ranks, meta, mapping.token_slots)
-    monkeypatch.setattr(dl, "DEFER_DELTA", True)
-    monkeypatch.setattr(dl, "MIN_HELPERS", 1)
-    monkeypatch.setattr(dl, "wave_slots", lambda device, tiles, elem_size: wave)
-    assert dl.defer_plan(8, wave)[1] > 0
-    y = ops.linear_with_lora(x, w, b, As, Bs, ranks, meta, mapping.token_slots)
-    assert torch.equal(y, ref)
-    base = decode_linear(x, w, b)
-    base_rows = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
-    assert torch.equal(y[base_rows], base[base_rows])
-    assert not torch.equal(y, base)  # the deltas were added (the test would pass vacuously without them)
-    pool = triton_utils._PERSISTENT[("decode_linear/ready", x.device, torch.int32)]
-    assert pool and all(int(flags.abs().sum()) == 0 for flags in pool)
-
-
 def test_decode_knobs_follow_the_lora_dtype_unless_forced(monkeypatch):
     """By default half-precision LoRA weights take both decode knobs and fp32 ones neither; the env
     variables force them; bad values are refused with a message naming the variable."""
