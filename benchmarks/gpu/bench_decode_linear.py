@@ -28,7 +28,7 @@ from triton.testing import do_bench
 
 from loraserve.layers import triton_decode_linear as dl
 from loraserve.lora.ops import triton_ops
-from loraserve.lora.ops.triton import expand_block
+from loraserve.lora.ops.triton import expand_block, lora_delta
 from loraserve.lora.ops.triton import utils as triton_utils
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton_ops import TritonLoRAOps
@@ -188,6 +188,10 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
                                       {"epi_cols": 64, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, B 2 steps ahead": ("bf16 A and B, B pulled 2 K steps before the end", {"pf_ahead": 2, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, B 6 steps ahead": ("bf16 A and B, B pulled 6 K steps before the end", {"pf_ahead": 6, "lora_dtype": torch.bfloat16}),
+    "precomputed delta": ("the shrink's launch also computes the delta (its last programs, beside the GEMM's K "
+                          "loop); the epilogue only adds it (PRECOMPUTED_DELTA)", {"pre_delta": True}),
+    "bf16 LoRA, precomputed delta": ("bf16 A and B, the delta computed in the shrink's launch",
+                                     {"pre_delta": True, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, shrink K blocks 256/1024": ("bf16 A and B, down's decode shrink on K blocks of 1024 (half the programs)",
                                             {"block_k": (256, 1024), "lora_dtype": torch.bfloat16}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
@@ -224,7 +228,8 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES,
+             lora_delta.PRECOMPUTED_DELTA)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -237,6 +242,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
         dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[7])
         shrink_mod.DECODE_FUSE_SLICES = knobs.get("fuse_decode", saved[8])
+        lora_delta.PRECOMPUTED_DELTA = knobs.get("pre_delta", saved[9])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -257,7 +263,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
-         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES) = saved[3:9]  # fmt: skip
+         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES, lora_delta.PRECOMPUTED_DELTA) = saved[3:10]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])
