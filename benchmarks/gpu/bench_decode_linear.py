@@ -28,7 +28,7 @@ from triton.testing import do_bench
 
 from loraserve.layers import triton_decode_linear as dl
 from loraserve.lora.ops import triton_ops
-from loraserve.lora.ops.triton import expand_block, lora_delta
+from loraserve.lora.ops.triton import expand_block
 from loraserve.lora.ops.triton import utils as triton_utils
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton_ops import TritonLoRAOps
@@ -188,10 +188,6 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
                                       {"epi_cols": 64, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, B 2 steps ahead": ("bf16 A and B, B pulled 2 K steps before the end", {"pf_ahead": 2, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, B 6 steps ahead": ("bf16 A and B, B pulled 6 K steps before the end", {"pf_ahead": 6, "lora_dtype": torch.bfloat16}),
-    "precomputed delta": ("the shrink's launch also computes the delta (its last programs, beside the GEMM's K "
-                          "loop); the epilogue only adds it (PRECOMPUTED_DELTA)", {"pre_delta": True}),
-    "bf16 LoRA, precomputed delta": ("bf16 A and B, the delta computed in the shrink's launch",
-                                     {"pre_delta": True, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, shrink K blocks 256/1024": ("bf16 A and B, down's decode shrink on K blocks of 1024 (half the programs)",
                                             {"block_k": (256, 1024), "lora_dtype": torch.bfloat16}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
@@ -201,7 +197,8 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     # session 8); the LoRA variant capped at 168 registers, B through a 3-D block pointer, both, the shrink as
     # the GEMM launch's first programs (8047943; session 9); the LoRA'd GEMM on 4 or 3 stages (32.7 and 49.5 vs
     # 24.8 µs), the decode shrink on K blocks of 128 (26.0), the shrink in the GEMM's K loop (f17a878; session 10);
-    # helper programs adding the deltas of gate_up's first wave (47671fa; session 12)
+    # helper programs adding the deltas of gate_up's first wave (47671fa), the delta precomputed by programs
+    # of the shrink's launch (c61824c; session 12)
 }
 PARTS = ("default", "bf16 LoRA")  # configs whose cost is also split into shrink and epilogue
 
@@ -228,8 +225,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES,
-             lora_delta.PRECOMPUTED_DELTA)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -242,7 +238,6 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
         dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[7])
         shrink_mod.DECODE_FUSE_SLICES = knobs.get("fuse_decode", saved[8])
-        lora_delta.PRECOMPUTED_DELTA = knobs.get("pre_delta", saved[9])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -263,7 +258,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
-         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES, lora_delta.PRECOMPUTED_DELTA) = saved[3:10]  # fmt: skip
+         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES) = saved[3:9]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

@@ -45,8 +45,7 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
     lora = lora_dtype is not None
     b = "*bf16" if lora_dtype == "bf16" else "*fp32"
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
-            "cnt_ptr": "*i32", "buf_ptr": "*fp32", "b0_ptr": b, "b1_ptr": b, "b2_ptr": b, "slots_ptr": "*i32",
-            "d_ptr": "*fp32"}  # fmt: skip
+            "cnt_ptr": "*i32", "buf_ptr": "*fp32", "b0_ptr": b, "b1_ptr": b, "b2_ptr": b, "slots_ptr": "*i32"}  # fmt: skip
     wdt = tl.bfloat16 if lora_dtype == "bf16" else tl.float32
     consts = dict(
         R=16, HAS_BIAS=False, HAS_LORA=lora, NUM_SLICES=len(slices) if lora else 1, BLOCK_M=32,
@@ -54,7 +53,7 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
         RED=1, SPLIT_W=tiles.split_k, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl.bfloat16, IEEE=False, LORA_WDT=wdt, LORA_CDT=wdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
         WAIT_FIRST=not lora, PF_AHEAD=pf_ahead if lora else 0, PF_SLOTS=8,
-        PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype == "bf16" else 4) // 128), HAS_DELTA=False,
+        PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype == "bf16" else 4) // 128),
     )  # fmt: skip
     fn = dl._decode_linear_kernel
     sig, const, attrs = {}, {}, {}

@@ -77,6 +77,16 @@ the second wave streamed W, so that only the last wave waited on an epilogue. Sa
 with fp32 B) and the same end to end (8-adapter step 5.29 vs 5.30 ms with bf16 weights, 5.55 vs 5.56
 fp32, in the same call): the first wave's epilogue is not what the op waits on. Removed.
 
+NOTE: the delta precomputed in the shrink's launch (session 12, commit c61824c): the shrink's 1-D grid
+ended in ~64 delta programs that pulled B, spun until every shrink program had counted itself done,
+and wrote each column block's delta (fp32, the epilogue's tiles) while the GEMM streamed W; the GEMM's
+epilogue only loaded and added it. Same bits as the epilogue in the interpreter. --matrix: the same
+LoRA cost (bf16 B 16.4 vs 16.5 µs a layer, fp32 25.2 vs 24.8; every op within 0.3 µs), so the epilogue's
+MMA after the loop was not what the op waited on either; end to end slower (8-adapter step 6.00 vs 5.52
+ms fp32, 5.62 vs 5.26 bf16; the shrink launches 15.2 vs 6.6 µs each in the eager profile, its delta
+programs spinning on SMs the step's other kernels wanted) and, with bf16 weights under graphs, parity
+vs HF + PEFT broke (1.62; not investigated). Removed.
+
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
 columns; with ``split_k`` > 1 several programs share one over slices of K, and the last to finish
@@ -167,9 +177,6 @@ class ExpandEpilogue:
     lora_b: tuple[torch.Tensor, ...]
     token_slots: torch.Tensor
     pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
-    # (M, N) fp32, contiguous: the delta itself, computed by the shrink's launch (``lora_delta``); the
-    # epilogue then only adds it (buf and lora_b are not read)
-    delta: torch.Tensor | None = None
 
 
 # NOTE: a register cap on the LoRA variant (the maxnreg launch option, 168) was timed on the H200 (session
@@ -257,11 +264,8 @@ def _epilogue(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    d_ptr,
-    HAS_DELTA: tl.constexpr,
 ):
-    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA (computed
-    here, HAS_LORA, or loaded, HAS_DELTA), stored."""
+    """acc (BLOCK_N, BLOCK_M) fp32 = W x^T of this program's columns -> + bias, rounded, + LoRA, stored."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -278,16 +282,8 @@ def _epilogue(
             pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
             stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
-            False,
         )  # fmt: skip
         y = (y.to(tl.float32) + delta).to(out_dt)
-    if HAS_DELTA:
-        if USE_PDL:  # the shrink's launch (its delta programs too) has finished
-            tl.extra.cuda.gdc_wait()
-        # (.cg: written by other SMs; in a CUDA graph every replay writes the same addresses)
-        d = tl.load(d_ptr + offs_m[None, :] * N + offs_n[:, None], mask=n_mask[:, None] & m_mask[None, :], other=0.0,
-                    cache_modifier=".cg")
-        y = (y.to(tl.float32) + d).to(out_dt)
 
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, y, mask=n_mask[:, None] & m_mask[None, :])
@@ -366,8 +362,6 @@ def _decode_linear_kernel(
     PF_AHEAD: tl.constexpr,  # (HAS_LORA) K steps before the loop's end at which B is pulled into L2 (0: never)
     PF_SLOTS: tl.constexpr,  # slots whose B is pulled (a power of 2 >= S)
     PF_LINES: tl.constexpr,  # 128-byte lines of one slot's B for this block's columns (a power of 2)
-    d_ptr,  # (HAS_DELTA) fp32 (M, N): the delta, precomputed by the shrink's launch
-    HAS_DELTA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PDL_CHAIN:
@@ -413,7 +407,7 @@ def _decode_linear_kernel(
             acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, d_ptr, HAS_DELTA,
+            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
@@ -435,17 +429,16 @@ def _decode_linear_kernel(
                 total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
                 S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL, d_ptr, HAS_DELTA,
+                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
     if USE_PDL:
-        if not HAS_LORA and not HAS_DELTA:
+        if not HAS_LORA:
             # (after_shrink) we read none of the shrink's output, but our dependents do: wait for it before
             # ending, so that our completion, which is what they wait for, implies the shrink's
             tl.extra.cuda.gdc_wait()
 
 
-def block_m_of(M: int) -> int:
-    """The token block (the MMA's N) of a launch for M tokens."""
+def _block_m(M: int) -> int:
     return 16 if M <= 16 else 32
 
 
@@ -499,11 +492,7 @@ def decode_linear(
     assert not (after_shrink and lora is not None), "after_shrink is for a GEMM without the epilogue"
     pdl = after_shrink and use_pdl(x.device)
     pf = dict(PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1)
-    d = x
-    if lora is not None and lora.delta is not None:
-        assert lora.delta.shape == (M, N) and lora.delta.dtype == torch.float32 and lora.delta.is_contiguous()
-        d, pdl = lora.delta, lora.pdl
-    elif lora is not None:
+    if lora is not None:
         b0 = lora.lora_b[0]
         n_sl = len(lora.lora_b)
         split, n_buf, m_buf, R = lora.buf.shape
@@ -540,7 +529,7 @@ def decode_linear(
             pf = dict(PF_AHEAD=ahead, PF_SLOTS=triton.next_power_of_2(b0.shape[0]),
                       PF_LINES=triton.next_power_of_2(max(1, tiles.block_n * R * b0.element_size() // 128)))  # fmt: skip
     chain = pdl_chain(x.device)
-    block_m = block_m_of(M)
+    block_m = _block_m(M)
     n_blocks = triton.cdiv(N, tiles.block_n)
     split = tiles.split_k
     k_per_split = triton.cdiv(triton.cdiv(K, split), tiles.block_k) * tiles.block_k
@@ -552,7 +541,7 @@ def decode_linear(
         x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0),
         *lora_args,
-        HAS_BIAS=bias is not None, HAS_LORA=lora is not None and lora.delta is None, d_ptr=d, HAS_DELTA=d is not x,
+        HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
         EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,

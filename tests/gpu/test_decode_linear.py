@@ -200,49 +200,6 @@ def test_linear_with_lora_knobs_keep_the_numbers(K, fuse, ahead, monkeypatch):
     assert not torch.equal(y, decode_linear(x, w))
 
 
-@pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
-@pytest.mark.parametrize("outs", [(128, 64, 64), (192,)], ids=["3-slices", "1-slice"])
-@pytest.mark.parametrize("n_lora_tokens", [0, 9])
-@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.float16])
-def test_precomputed_delta_gives_the_epilogues_bits(K, outs, n_lora_tokens, lora_dtype, monkeypatch):
-    """PRECOMPUTED_DELTA: the shrink's launch computes the delta in its last programs and the GEMM only
-    adds it; y has the same bits as with the delta computed in the GEMM's epilogue (interpreted, half-
-    precision B; else to rounding), tokens of no adapter or of a rank-0 slot get the
-    base output, and the shrink's counters are back at zero."""
-    from loraserve.lora.ops.triton import lora_delta
-    from loraserve.lora.ops.triton import utils as triton_utils
-
-    g = torch.Generator().manual_seed(K + len(outs) + n_lora_tokens)
-    M, S, R = 12, 4, 16
-    ranks = [16, 0, 16, 4]
-    x = torch.randn(M, K, generator=g).to(DEV, torch.float16)
-    w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
-    b = torch.randn(sum(outs), generator=g).to(DEV, torch.float16)
-    As, Bs = lora_stacks(g, S, R, K, outs, ranks, lora_dtype)
-    slots = [t % S if t < n_lora_tokens else -1 for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
-    ops = TritonLoRAOps(DEV)
-    monkeypatch.setattr(lora_delta, "PRECOMPUTED_DELTA", False)
-    ref = ops.linear_with_lora(x, w, b, As, Bs, ranks, meta, mapping.token_slots)
-    monkeypatch.setattr(lora_delta, "PRECOMPUTED_DELTA", True)
-    monkeypatch.setattr(lora_delta, "DELTA_PROGRAMS", 3)  # fewer programs than column blocks: each loops
-    y = ops.linear_with_lora(x, w, b, As, Bs, ranks, meta, mapping.token_slots)
-    if DEV.type == "cpu" and lora_dtype != torch.float32:
-        assert torch.equal(y, ref)
-    else:  # fp32 B: MMAs over fewer slots at a time (lora_delta's shared-memory note), summed in another order
-        assert rel_err(y, ref) < 1e-3
-    base = decode_linear(x, w, b)
-    base_rows = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
-    assert torch.equal(y[base_rows], base[base_rows])
-    if n_lora_tokens:
-        assert not torch.equal(y, base)  # the deltas were added
-        pool = triton_utils._PERSISTENT[("lora_shrink/done", x.device, torch.int32)]
-        assert pool and all(int(c.abs().sum()) == 0 for c in pool)
-
-
 def test_decode_knobs_follow_the_lora_dtype_unless_forced(monkeypatch):
     """By default half-precision LoRA weights take both decode knobs and fp32 ones neither; the env
     variables force them; bad values are refused with a message naming the variable."""

@@ -15,7 +15,7 @@ import os
 import torch
 
 from loraserve.layers import triton_decode_linear as decode
-from loraserve.lora.ops.triton import gated_lora, lora_delta
+from loraserve.lora.ops.triton import gated_lora
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
@@ -104,9 +104,6 @@ class TritonLoRAOps:
                 return None
         if tiles is None:
             return None
-        if lora_delta.PRECOMPUTED_DELTA and not then_silu_and_mul and self.shrink_reduces:
-            return self._linear_with_precomputed_delta(x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, meta,
-                                                       token_slots, tiles)  # fmt: skip
         shrunk = self._decode_shrink(x, lora_a_stacked, ranks, meta)
         if shrunk is None:
             return None if then_silu_and_mul else decode.decode_linear(x, weight, bias, tiles=tiles)
@@ -115,20 +112,6 @@ class TritonLoRAOps:
             y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
             return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots)
         epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
-        return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
-
-    def _linear_with_precomputed_delta(self, x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, meta,
-                                       token_slots, tiles) -> torch.Tensor:  # fmt: skip
-        """``lora_delta.PRECOMPUTED_DELTA``: the shrink's launch also computes the delta (its last programs,
-        beside the GEMM's K loop), and the GEMM's epilogue only adds it. The same bits as the epilogue."""
-        rank_dev = self.ranks_tensor(ranks)
-        max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
-        if max_rank == 0 or meta.num_segs == 0:  # no token has a slot with a rank: the base product
-            return decode.decode_linear(x, weight, bias, tiles=tiles)
-        d = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-        target = lora_delta.DeltaTarget(d, lora_b_stacked, token_slots, tiles.block_n, decode.block_m_of(x.shape[0]))
-        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=True, zero_fill=True, delta=target)
-        epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=use_pdl(x.device), delta=d)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
 
     def _decode_tiles(self, x, weight, lora_b_stacked, meta) -> decode.DecodeTiles | None:

@@ -99,7 +99,6 @@ def block_delta(
     R: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr, RED: tl.constexpr,
     LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr, LORA_IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-    PAST_L1: tl.constexpr,
 ):  # fmt: skip
     """delta (BLOCK_N, BLOCK_M) fp32 of column block pid_n for tokens 0..M-1 (zero for tokens of no slot).
 
@@ -107,7 +106,6 @@ def block_delta(
     slot (zeros past its rank), read after the PDL wait (USE_PDL). Slots and B (mapping and weights,
     written before the forward) are loaded before it. No load waits on another: the slots, B and buf
     are one round trip to memory, not three (slot, then its rank, then buf masked by the rank).
-    PAST_L1: buf was written by other SMs during this launch (``lora_delta``): read it past L1.
     """
     sl, b_ptr, stride_ws, n_loc0 = lora_slice(
         pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N
@@ -130,7 +128,7 @@ def block_delta(
             # launched while the shrink runs: its buf is read only after it has finished
             tl.extra.cuda.gdc_wait()
         # h (BLOCK_M, BLOCK_R): each token's s, its split-K planes (if any are left) summed
-        h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, PAST_L1)
+        h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False)
         delta = expand_chunk(delta, b, h, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
     return delta
 

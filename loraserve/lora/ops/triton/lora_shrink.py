@@ -35,13 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.lora_delta import (
-    DELTA_ARG_NAMES,
-    DELTA_PROGRAMS,
-    NO_DELTA_CONSTS,
-    DeltaTarget,
-    delta_programs,
-)
 from loraserve.lora.ops.triton.utils import (
     compute_dtype_of,
     dot_in,
@@ -76,7 +69,7 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
                        R, NUM_SLICES: tl.constexpr, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, CDT: tl.constexpr,
                        IEEE: tl.constexpr, USE_PDL: tl.constexpr, slot, seg, seg_start, seg_len, rank, rblock,
-                       split, pid_m, G1):  # fmt: skip
+                       split, pid_m):  # fmt: skip
     """FUSE_SLICES (prefill, and decode with half-precision A): one program computes the tile (BLOCK_M tokens, BLOCK_R ranks, its K split) of
     every slice, each tile of x loaded once for all of them; then the same stores and split sum as a
     one-slice program, with one arrival for the slices together."""
@@ -116,7 +109,7 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
         tl.store(out + 2 * stride_bi + split * stride_bsp, acc2, mask=out_mask)
     if REDUCE:  # as the one-slice program's (see there), a group being (rank block, token block, segment)
         tl.debug_barrier()
-        group = (rblock * G1 + pid_m) * S + seg
+        group = (rblock * tl.num_programs(1) + pid_m) * S + seg
         arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             for i in tl.static_range(NUM_SLICES):
@@ -131,7 +124,7 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
                       NUM_SLICES: tl.constexpr, NUM_RBLOCKS, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, ONE_CHUNK: tl.constexpr,
                       CDT: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr, slot, seg, seg_start, seg_len,
-                      rank, rblock, split, sl, pid_m, G1):  # fmt: skip
+                      rank, rblock, split, sl, pid_m):  # fmt: skip
     """A program that owns one slice of its tile (decode with fp32 A, and prefill of one-slice layers)."""
     r0 = rblock * BLOCK_R
     m0 = pid_m * BLOCK_M
@@ -182,7 +175,7 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
         # acq_rel atomic at GPU scope; the last arrival reads the planes past L1 (.cg, not coherent across
         # SMs), in plane order whoever it is, and puts the counter back to zero for the next launch
         tl.debug_barrier()
-        group = ((sl * NUM_RBLOCKS + rblock) * G1 + pid_m) * S + seg
+        group = ((sl * NUM_RBLOCKS + rblock) * tl.num_programs(1) + pid_m) * S + seg
         arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             tl.store(out, sum_planes(out, out_mask, SPLIT_K, stride_bsp, RED, True), mask=out_mask)
@@ -192,7 +185,7 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
 # NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
 # multiples of 16 and vectorizes the masked loads along the contiguous axis; as runtime ints every
 # masked load there went scalar. Specializing compiles once per divisibility class, not per value.
-@triton.jit(do_not_specialize=["T", "S", "R", "NUM_RBLOCKS", "SPLIT_K", "G0", "G1"])
+@triton.jit(do_not_specialize=["T", "S", "R", "NUM_RBLOCKS", "SPLIT_K"])
 def _lora_shrink_kernel(
     x_ptr,
     a0_ptr,
@@ -204,8 +197,6 @@ def _lora_shrink_kernel(
     rank_ptr,  # int32 (max_loras,): this layer's rank per slot
     T,
     S,
-    G0,
-    G1,
     K,
     k_per_split,
     stride_xm,
@@ -231,35 +222,11 @@ def _lora_shrink_kernel(
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    # (DELTA) the delta programs' arguments (lora_delta.DeltaTarget.args), then done_ptr: int32 (2,) counters
-    d_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, n_slots, N, N0, N1, stride_ws0, stride_ws1, stride_ws2, n_blocks,
-    done_ptr,
-    DELTA: tl.constexpr,  # planes of the grid past the segments are delta programs (lora_delta)
-    D_R: tl.constexpr,
-    D_BLOCK_M: tl.constexpr,
-    D_BLOCK_N: tl.constexpr,
-    D_BLOCK_R: tl.constexpr,
-    D_SLOTS_PER_CHUNK: tl.constexpr,
-    LORA_WDT: tl.constexpr,
-    LORA_CDT: tl.constexpr,
-    LORA_IEEE: tl.constexpr,
-):  # fmt: skip
-    """A 1-D grid over (split x rank blocks x slices: G0, token blocks: G1, segments), the first fastest,
-    then (DELTA) the delta programs: last, on the GPU (which dispatches in order) as in the interpreter
-    (which runs programs one by one, in order)."""
-    pid = tl.program_id(0)
-    pid0 = pid % G0
-    pid_m = (pid // G0) % G1
-    seg = pid // (G0 * G1)
-    if DELTA and seg >= S:
-        n_shrink = S * G0 * G1
-        delta_programs(
-            pid - n_shrink, tl.num_programs(0) - n_shrink, done_ptr, n_shrink, buf_ptr, stride_bi, stride_bm,
-            d_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, n_slots, T, N, N0, N1, stride_ws0, stride_ws1, stride_ws2,
-            n_blocks, D_R, NUM_SLICES, D_BLOCK_M, D_BLOCK_N, D_BLOCK_R, D_SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT,
-            LORA_IEEE, USE_PDL,
-        )  # fmt: skip
-        return
+):
+    """A grid (split x rank blocks x slices, token blocks, segments)."""
+    pid0 = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    seg = tl.program_id(2)
     split = pid0 % SPLIT_K
     rblock = (pid0 // SPLIT_K) % NUM_RBLOCKS
     sl = pid0 // (SPLIT_K * NUM_RBLOCKS)  # (FUSE_SLICES: 0, the program owns them all)
@@ -286,15 +253,12 @@ def _lora_shrink_kernel(
         _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split,
                            stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi,
                            stride_bm, R, NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, CDT,
-                           IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m, G1)  # fmt: skip
+                           IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
     else:
         _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split, stride_xm,
                           stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
                           NUM_SLICES, NUM_RBLOCKS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, ONE_CHUNK, CDT,
-                          IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m, G1)  # fmt: skip
-    if DELTA:  # count this program done (all its stores, and its group's sum if it was the last split)
-        tl.debug_barrier()
-        tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+                          IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m)  # fmt: skip
 
 
 # Tuning knobs (module attributes, so that benchmarks/gpu/bench_decode_linear.py --matrix can sweep them):
@@ -407,12 +371,8 @@ def lora_shrink(
     block_r: int = 16,
     reduce: bool = True,
     zero_fill: bool = False,
-    delta: DeltaTarget | None = None,
 ) -> torch.Tensor:
     """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (P, n_slices, T, R) fp32 whose planes sum to x @ A_i[slot]^T.
-
-    ``delta`` (decode sizes, with ``reduce`` and ``zero_fill``): the launch also writes the delta
-    B_i[slot] (buf) into ``delta.d`` (``lora_delta``), unless it launches nothing (no segment).
 
     ``reduce``: the kernel sums its split-K partials itself, P = 1 (the engine's default); else P = the
     split and the reader (``lora_expand``, decode_linear's epilogue) sums the planes while loading them.
@@ -458,21 +418,12 @@ def lora_shrink(
     cnt = buf
     if reduce:
         cnt = persistent_buffer(x.device, "lora_shrink/arrivals", n * n_rblocks * grid[1] * grid[2])
-    delta_args: tuple = (buf, buf, buf, buf, buf, 0, 0, 0, 0, 0, 0, 0, 0, buf)
-    n_delta = 0
-    delta_consts = NO_DELTA_CONSTS
-    if delta is not None:
-        assert (reduce or split == 1) and zero_fill and meta.max_seg_len <= 32, "the delta reads one plane of every rank"
-        assert block_r == 16 or n_rblocks == 1
-        delta_args = (*delta.args(), persistent_buffer(x.device, "lora_shrink/done", 2))
-        delta_consts = delta.consts()
-        n_delta = DELTA_PROGRAMS
     pdl = use_pdl(x.device)
     prefill = meta.max_seg_len > 32
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages) if prefill else dict(num_warps=4)
-    _lora_shrink_kernel[(grid[0] * grid[1] * grid[2] + n_delta,)](
+    _lora_shrink_kernel[grid](
         x, a0, a1, a2, buf, cnt, meta.packed, ranks,
-        T, meta.num_segs, grid[0], grid[1], K, k_per_split,
+        T, meta.num_segs, K, k_per_split,
         x.stride(0), x.stride(1),
         a0.stride(0), a0.stride(2), a0.stride(3),
         buf.stride(0), buf.stride(1), buf.stride(2), R,
@@ -481,6 +432,5 @@ def lora_shrink(
         ZERO_FILL=zero_fill, FUSE_SLICES=fuse,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
         USE_PDL=pdl, launch_pdl=pdl, **launch,
-        **dict(zip(DELTA_ARG_NAMES, delta_args)), DELTA=delta is not None, **delta_consts,
     )  # fmt: skip
     return buf[:1] if reduce else buf
