@@ -188,13 +188,6 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
                                       {"epi_cols": 64, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, B 2 steps ahead": ("bf16 A and B, B pulled 2 K steps before the end", {"pf_ahead": 2, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, B 6 steps ahead": ("bf16 A and B, B pulled 6 K steps before the end", {"pf_ahead": 6, "lora_dtype": torch.bfloat16}),
-    "W pulled first": ("the LoRA'd GEMM launches as its shrink starts and pulls 8 K steps of its W into L2 before "
-                       "waiting for it (PREFETCH_W)", {"pf_w": 8}),
-    "bf16 LoRA, W pulled first": ("bf16 A and B, the GEMM pulling 8 K steps of W while the shrink runs", {"pf_w": 8, "lora_dtype": torch.bfloat16}),
-    "bf16 LoRA, W pulled first, 4 steps": ("bf16 A and B, the GEMM pulling 4 K steps of W while the shrink runs",
-                                           {"pf_w": 4, "lora_dtype": torch.bfloat16}),
-    "bf16 LoRA, W pulled first, 16 steps": ("bf16 A and B, the GEMM pulling 16 K steps of W while the shrink runs",
-                                            {"pf_w": 16, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, shrink K blocks 256/1024": ("bf16 A and B, down's decode shrink on K blocks of 1024 (half the programs)",
                                             {"block_k": (256, 1024), "lora_dtype": torch.bfloat16}),
     # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
@@ -205,7 +198,7 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     # the GEMM launch's first programs (8047943; session 9); the LoRA'd GEMM on 4 or 3 stages (32.7 and 49.5 vs
     # 24.8 µs), the decode shrink on K blocks of 128 (26.0), the shrink in the GEMM's K loop (f17a878; session 10);
     # helper programs adding the deltas of gate_up's first wave (47671fa), the delta precomputed by programs
-    # of the shrink's launch (c61824c; session 12)
+    # of the shrink's launch (c61824c), the GEMM launched as its shrink starts, pulling W into L2 (d7188df; session 12)
 }
 PARTS = ("default", "bf16 LoRA")  # configs whose cost is also split into shrink and epilogue
 
@@ -232,8 +225,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES,
-             dl.PREFETCH_W)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -246,7 +238,6 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
         dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[7])
         shrink_mod.DECODE_FUSE_SLICES = knobs.get("fuse_decode", saved[8])
-        dl.PREFETCH_W = knobs.get("pf_w", saved[9])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -267,7 +258,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
-         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES, dl.PREFETCH_W) = saved[3:10]  # fmt: skip
+         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES) = saved[3:9]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

@@ -53,7 +53,7 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
         RED=1, SPLIT_W=tiles.split_k, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl.bfloat16, IEEE=False, LORA_WDT=wdt, LORA_CDT=wdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
         WAIT_FIRST=not lora, PF_AHEAD=pf_ahead if lora else 0, PF_SLOTS=8,
-        PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype == "bf16" else 4) // 128), W_LINES=0, W_PER_LINE=64,
+        PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype == "bf16" else 4) // 128),
     )  # fmt: skip
     fn = dl._decode_linear_kernel
     sig, const, attrs = {}, {}, {}

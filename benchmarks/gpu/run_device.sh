@@ -22,8 +22,6 @@
 #   bash benchmarks/gpu/run_device.sh e2e-fast  # every GPU test, then bench_e2e both shapes without HF
 #   bash benchmarks/gpu/run_device.sh knobs11   # --matrix rows around the bf16 defaults (MMA columns, B pull steps), then
 #                                               --lora-tune with bf16 LoRA weights on the four ops
-#   bash benchmarks/gpu/run_device.sh wfirst    # LoRA decode tests (graphs and the decoder path with PREFETCH_W=8 too), --matrix
-#                                               rows of the GEMM launched as its shrink starts, bench_e2e Llama-8B with and without
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
 set -uo pipefail
@@ -96,14 +94,6 @@ for stage in "$@"; do
         knobs11)
             timeout 150 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA;bf16 LoRA, 64 columns per MMA;bf16 LoRA, B 2 steps ahead;bf16 LoRA, B 6 steps ahead;64 columns per MMA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt" | tail -8
             timeout 240 python3 benchmarks/gpu/bench_decode_linear.py --lora-tune --lora-tune-dtype bf16 --lora-tune-ops qkv,o,gate_up,down --layers 4 2>&1 | grep -v OutOfResources | tee "$OUT/lora_tune.txt"
-            ;;
-        wfirst)
-            timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py tests/gpu/test_fused_decoder_path.py 2>&1 | tail -4 | tee "$OUT/lora_tests.txt"
-            LORASERVE_PREFETCH_W=8 timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_fused_decoder_path.py tests/gpu/test_gpu_cuda_graphs.py tests/gpu/test_gpu_engine.py 2>&1 | tail -4 | tee "$OUT/wfirst_tests.txt"
-            timeout 150 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;W pulled first;bf16 LoRA;bf16 LoRA, W pulled first;bf16 LoRA, W pulled first, 4 steps;bf16 LoRA, W pulled first, 16 steps" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt" | tail -32
-            LORASERVE_PREFETCH_W=8 timeout 150 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e_wfirst.json" > "$OUT/e2e_wfirst.txt" 2>&1
-            timeout 150 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e.json" > "$OUT/e2e.txt" 2>&1
-            grep -h "^| llama\|GPU time\|parity max\|greedy ids" "$OUT/e2e_wfirst.txt" "$OUT/e2e.txt"
             ;;
         gated)
             timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_gated_lora.py 2>&1 | tail -5 | tee "$OUT/gated_tests.txt"

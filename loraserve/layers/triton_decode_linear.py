@@ -87,6 +87,13 @@ ms fp32, 5.62 vs 5.26 bf16; the shrink launches 15.2 vs 6.6 µs each in the eage
 programs spinning on SMs the step's other kernels wanted) and, with bf16 weights under graphs, parity
 vs HF + PEFT broke (1.62; not investigated). Removed.
 
+NOTE: the GEMM launched as its shrink starts (session 12, commit d7188df): the shrink let its dependent
+launch before its own wait, and the GEMM pulled the first 4-16 K steps of its W into L2, then waited for
+the shrink before reading x, so that W streamed while the shrink ran, as the base GEMM is resident while
+the kernel before it runs. Same bits (GPU tests). --matrix: 15.8-15.9 vs 15.4 µs of LoRA cost a layer (bf16
+B), 23.4 vs 23.2 (fp32); end to end much slower (8-adapter step 6.15 vs 5.56 ms fp32, 6.00 vs 5.28 bf16;
+not profiled: the early GEMM programs hold SMs while the kernels before the shrink still run). Removed.
+
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
 columns; with ``split_k`` > 1 several programs share one over slices of K, and the last to finish
@@ -115,6 +122,7 @@ from loraserve.lora.ops.triton.utils import (
     dot_in,
     interpreted,
     pdl_chain,
+    pdl_link,
     persistent_buffer,
     prefetch_l2,
     tl_dtype,
@@ -148,14 +156,6 @@ def prefetch_ahead(b_dtype: torch.dtype) -> int:
     return 0 if b_dtype == torch.float32 else 4
 
 
-# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_PREFETCH_W=n sets it): n > 0 makes the
-# LoRA'd GEMM launch as soon as its shrink starts (the shrink lets its dependent launch before its own wait), pull
-# the first n K steps of its rows of W into L2, and only then wait for the shrink (and so for x). The base GEMM,
-# a link of the PDL chain, is resident while the kernel before it runs; the LoRA'd GEMM otherwise launches only
-# once the shrink's programs have waited, and streams nothing while the shrink runs. 0: off.
-PREFETCH_W: int = _env_int("LORASERVE_PREFETCH_W") or 0
-
-
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 
 
@@ -184,9 +184,6 @@ class ExpandEpilogue:
     lora_b: tuple[torch.Tensor, ...]
     token_slots: torch.Tensor
     pdl: bool = False  # the GEMM was launched as a PDL dependent of the shrink: wait before reading buf
-    # (pdl, PREFETCH_W) the shrink let the GEMM launch before its own wait: the GEMM pulls W into L2, then
-    # waits for the shrink before reading x
-    early: bool = False
 
 
 # NOTE: a register cap on the LoRA variant (the maxnreg launch option, 168) was timed on the H200 (session
@@ -302,17 +299,6 @@ def _epilogue(
 
 
 @triton.jit
-def _prefetch_w(w_ptr, offs_n, n_mask, k_lo, k_hi, stride_wn, BLOCK_N: tl.constexpr, W_LINES: tl.constexpr,
-                PER_LINE: tl.constexpr):  # fmt: skip
-    """Pull into L2 the first W_LINES 128-byte lines (PER_LINE elements each) of this program's rows of W
-    from column k_lo (not past k_hi)."""
-    line = tl.arange(0, W_LINES)
-    k = tl.minimum(k_lo + line * PER_LINE, k_hi - 1)
-    rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
-    prefetch_l2(w_ptr + rows[:, None] * stride_wn + k[None, :])
-
-
-@triton.jit
 def _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R: tl.constexpr,
                 NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, PF_SLOTS: tl.constexpr, PF_LINES: tl.constexpr):  # fmt: skip
     """Pull into L2 the B that this column block's epilogue will load (every slot's BLOCK_N x R, contiguous
@@ -383,12 +369,10 @@ def _decode_linear_kernel(
     PF_AHEAD: tl.constexpr,  # (HAS_LORA) K steps before the loop's end at which B is pulled into L2 (0: never)
     PF_SLOTS: tl.constexpr,  # slots whose B is pulled (a power of 2 >= S)
     PF_LINES: tl.constexpr,  # 128-byte lines of one slot's B for this block's columns (a power of 2)
-    W_LINES: tl.constexpr,  # (PREFETCH_W) 128-byte lines of each row of W pulled into L2 before the wait (0: none)
-    W_PER_LINE: tl.constexpr,  # elements of W per 128-byte line
 ):
     pid = tl.program_id(0)
     if PDL_CHAIN:
-        tl.extra.cuda.gdc_launch_dependents()  # (pdl_link, with the wait below)
+        pdl_link(WAIT_FIRST)
     if SPLIT_W == 1:
         pid_n = pid
         k_lo = pid * 0
@@ -401,10 +385,6 @@ def _decode_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    if W_LINES > 0:
-        _prefetch_w(w_ptr, offs_n, n_mask, k_lo, k_hi, stride_wn, BLOCK_N, W_LINES, W_PER_LINE)
-    if WAIT_FIRST:
-        tl.extra.cuda.gdc_wait()
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -519,7 +499,6 @@ def decode_linear(
     assert not (after_shrink and lora is not None), "after_shrink is for a GEMM without the epilogue"
     pdl = after_shrink and use_pdl(x.device)
     pf = dict(PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1)
-    wf = dict(W_LINES=0, W_PER_LINE=64)
     if lora is not None:
         b0 = lora.lora_b[0]
         n_sl = len(lora.lora_b)
@@ -550,10 +529,6 @@ def decode_linear(
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl
-        if lora.early:
-            assert pdl, "early: the GEMM is the shrink's PDL dependent"
-            w_lines = triton.next_power_of_2(max(1, PREFETCH_W * tiles.block_k * weight.element_size() // 128))
-            wf = dict(W_LINES=w_lines, W_PER_LINE=128 // weight.element_size())
         ahead = prefetch_ahead(b0.dtype)
         # (the GPU only: the interpreter runs no inline PTX). NOTE: under split-K every split pulls the same
         # B (any of them may be the last to arrive and run the epilogue); the timings include that
@@ -579,10 +554,9 @@ def decode_linear(
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
         # NOTE: as the shrink's dependent (USE_PDL) we may read x at once: the shrink waited for it before
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
-        # (early: the shrink let us launch before its wait; x only after ours)
-        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=(chain and not pdl) or (lora is not None and lora.early),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl or chain,
-        **pf, **wf,
+        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        launch_pdl=pdl or chain,
+        **pf,
         **lora_consts,
     )  # fmt: skip
     return y

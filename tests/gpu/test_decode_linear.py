@@ -200,34 +200,6 @@ def test_linear_with_lora_knobs_keep_the_numbers(K, fuse, ahead, monkeypatch):
     assert not torch.equal(y, decode_linear(x, w))
 
 
-@pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
-@pytest.mark.parametrize("steps", [2, 8, 64], ids=["2-steps", "8-steps", "past-the-end"])
-def test_gemm_launched_as_the_shrink_starts_keeps_the_numbers(K, steps, monkeypatch):
-    """PREFETCH_W (GPU only: PDL and inline PTX): the shrink lets the GEMM launch before its own wait; the
-    GEMM pulls W into L2, waits for the shrink, then reads x: the same bits as the default launch order."""
-    from loraserve.layers import triton_decode_linear as dl
-
-    g = torch.Generator().manual_seed(K + steps)
-    M, outs, S, R = 12, (128, 64, 64), 4, 16
-    ranks = [16, 0, 16, 4]
-    x = torch.randn(M, K, generator=g).to(DEV, torch.float16)
-    w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
-    As, Bs = lora_stacks(g, S, R, K, outs, ranks, torch.float16)
-    slots = [t % S if t < 9 else -1 for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
-    ops = TritonLoRAOps(DEV)
-    monkeypatch.setattr(dl, "PREFETCH_W", 0)
-    ref = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
-    monkeypatch.setattr(dl, "PREFETCH_W", steps)
-    for _ in range(3):  # back to back: each GEMM's early launch overlaps the kernels before its shrink
-        y = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
-        assert torch.equal(y, ref)
-    assert not torch.equal(y, decode_linear(x, w))
-
-
 def test_decode_knobs_follow_the_lora_dtype_unless_forced(monkeypatch):
     """By default half-precision LoRA weights take both decode knobs and fp32 ones neither; the env
     variables force them; bad values are refused with a message naming the variable."""

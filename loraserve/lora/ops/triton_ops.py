@@ -104,16 +104,14 @@ class TritonLoRAOps:
                 return None
         if tiles is None:
             return None
-        # (PREFETCH_W: the GEMM launches as the shrink starts; not for the gated path, whose GEMM reads x at once)
-        early = decode.PREFETCH_W > 0 and not then_silu_and_mul
-        shrunk = self._decode_shrink(x, lora_a_stacked, ranks, meta, trigger_first=early)
+        shrunk = self._decode_shrink(x, lora_a_stacked, ranks, meta)
         if shrunk is None:
             return None if then_silu_and_mul else decode.decode_linear(x, weight, bias, tiles=tiles)
         buf, pdl = shrunk
         if then_silu_and_mul:
             y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
             return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots)
-        epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl, early=early and pdl)
+        epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
 
     def _decode_tiles(self, x, weight, lora_b_stacked, meta) -> decode.DecodeTiles | None:
@@ -125,7 +123,7 @@ class TritonLoRAOps:
         tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
         return tiles if decode.supports(x, weight, slices, tiles) else None
 
-    def _decode_shrink(self, x, lora_a_stacked, ranks, meta, trigger_first: bool = False) -> tuple[torch.Tensor, bool] | None:
+    def _decode_shrink(self, x, lora_a_stacked, ranks, meta) -> tuple[torch.Tensor, bool] | None:
         """The shrink of a decode-size fused path: (buf, whether the next launch is its PDL dependent), or
         None when no slot has a rank (nothing to add).
 
@@ -137,8 +135,7 @@ class TritonLoRAOps:
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
             return None
-        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True,
-                          trigger_first=trigger_first)  # fmt: skip
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
         return buf, use_pdl(x.device) and meta.num_segs > 0
 
     def add_lora_embedding(

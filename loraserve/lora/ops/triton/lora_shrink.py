@@ -222,11 +222,8 @@ def _lora_shrink_kernel(
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    TRIGGER_FIRST: tl.constexpr,  # (USE_PDL) let the dependent launch before our wait: it must wait for us before reading x
 ):
     """A grid (split x rank blocks x slices, token blocks, segments)."""
-    if USE_PDL and TRIGGER_FIRST:
-        tl.extra.cuda.gdc_launch_dependents()
     pid0 = tl.program_id(0)
     pid_m = tl.program_id(1)
     seg = tl.program_id(2)
@@ -374,7 +371,6 @@ def lora_shrink(
     block_r: int = 16,
     reduce: bool = True,
     zero_fill: bool = False,
-    trigger_first: bool = False,
 ) -> torch.Tensor:
     """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (P, n_slices, T, R) fp32 whose planes sum to x @ A_i[slot]^T.
 
@@ -384,8 +380,6 @@ def lora_shrink(
     at columns r < ranks[slot], which is all ``lora_expand`` reads; with ``zero_fill`` every column (up
     to R) of those rows is, zeros past the slot's rank, so that a reader needs no rank (decode_linear's
     epilogue). Rows of tokens without a slot are never written.
-    ``trigger_first`` (under PDL): the next kernel may launch before this one has waited for x, so it
-    must wait for this one before reading x (decode_linear's ``ExpandEpilogue.early``).
     """
     n = len(lora_a)
     assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
@@ -437,6 +431,6 @@ def lora_shrink(
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
         ZERO_FILL=zero_fill, FUSE_SLICES=fuse,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
-        USE_PDL=pdl, TRIGGER_FIRST=trigger_first, launch_pdl=pdl, **launch,
+        USE_PDL=pdl, launch_pdl=pdl, **launch,
     )  # fmt: skip
     return buf[:1] if reduce else buf
