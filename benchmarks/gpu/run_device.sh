@@ -22,6 +22,7 @@
 #   bash benchmarks/gpu/run_device.sh e2e-fast  # every GPU test, then bench_e2e both shapes without HF
 #   bash benchmarks/gpu/run_device.sh knobs11   # --matrix rows around the bf16 defaults (MMA columns, B pull steps), then
 #                                               --lora-tune with bf16 LoRA weights on the four ops
+#   bash benchmarks/gpu/run_device.sh ncu       # Nsight Compute on the plain and the LoRA'd decode GEMM (profile_epilogue.py)
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
 set -uo pipefail
@@ -98,6 +99,21 @@ for stage in "$@"; do
         gated)
             timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_gated_lora.py 2>&1 | tail -5 | tee "$OUT/gated_tests.txt"
             timeout 200 python3 benchmarks/gpu/bench_decode_linear.py --gated 2>&1 | tee "$OUT/gated.txt"
+            ;;
+        ncu)
+            # Nsight Compute on the LoRA'd decode GEMM vs the plain one (profile_epilogue.py): the full set with
+            # the warp-state samples per SASS instruction, exported as csv and summarized
+            NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+            echo "ncu: $NCU"; "$NCU" --version | tail -1
+            timeout 300 "$NCU" --clock-control none --profile-from-start off --set full --import-source yes \
+                -k regex:_decode_linear_kernel -f -o "$OUT/epilogue" python3 benchmarks/gpu/profile_epilogue.py 2>&1 | tail -5
+            "$NCU" --import "$OUT/epilogue.ncu-rep" --page details --csv > "$OUT/details.csv" 2> "$OUT/ncu_err.txt"
+            for i in $(seq 0 15); do
+                "$NCU" --import "$OUT/epilogue.ncu-rep" --page source --print-source sass --csv --launch-skip "$i" --launch-count 1 > "$OUT/source_$i.csv" 2>> "$OUT/ncu_err.txt"
+            done
+            "$NCU" --import "$OUT/epilogue.ncu-rep" --page source --print-source cuda,sass --csv --launch-skip 1 --launch-count 1 > "$OUT/source_cuda_1.txt" 2>> "$OUT/ncu_err.txt"
+            tail -5 "$OUT/ncu_err.txt"; ls -la "$OUT" | head -30
+            python3 benchmarks/gpu/profile_epilogue.py --summarize "$OUT" 2>&1 | tee "$OUT/ncu_summary.txt" | head -150
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"
