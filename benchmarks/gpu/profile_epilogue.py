@@ -64,7 +64,7 @@ def run() -> None:
 
 
 def _rows(text: str) -> list[dict]:
-    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    lines = [ln for ln in text.splitlines() if ln.startswith('"') and not ln.startswith('"Kernel Name"')]
     return list(csv.DictReader(io.StringIO("\n".join(lines))))
 
 
@@ -93,8 +93,13 @@ def summarize(out: Path) -> None:
         if sample_col is None:
             print(f"## {path.name}: columns {list(rows[0])[:12]}")
             continue
-        total = sum(float(r[sample_col] or 0) for r in rows)
-        print(f"## {path.name} {LAUNCHES[i] if i < len(LAUNCHES) else ''}: {len(rows)} SASS, {total:.0f} samples")
+        samples = [float(r[sample_col] or 0) for r in rows]
+        executed = [int(r.get("Instructions Executed") or 0) for r in rows]
+        in_loop = [j for j, e in enumerate(executed) if e == max(executed)]  # the K loop: the most executed
+        lo, hi = in_loop[0], in_loop[-1]
+        print(f"## {path.name} {LAUNCHES[i] if i < len(LAUNCHES) else ''}: {len(rows)} SASS, {sum(samples):.0f} samples: "
+              f"{sum(samples[:lo]):.0f} before the K loop, {sum(samples[lo:hi + 1]):.0f} in it, {sum(samples[hi + 1:]):.0f} after "
+              f"({sum(executed[hi + 1:])} warp instructions after it)")  # fmt: skip
         hot = sorted(rows, key=lambda r: -float(r[sample_col] or 0))[:25]
         for r in hot:
             print(f"   {float(r[sample_col] or 0):7.0f}  {r.get('Address', '')}  {r.get('Source', '')[:90]}")

@@ -23,6 +23,7 @@
 #   bash benchmarks/gpu/run_device.sh knobs11   # --matrix rows around the bf16 defaults (MMA columns, B pull steps), then
 #                                               --lora-tune with bf16 LoRA weights on the four ops
 #   bash benchmarks/gpu/run_device.sh ncu       # Nsight Compute on the plain and the LoRA'd decode GEMM (profile_epilogue.py)
+#   bash benchmarks/gpu/run_device.sh epi13     # the LoRA decode kernel tests, --matrix rows default and bf16 LoRA, bench_e2e Llama-8B
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
 set -uo pipefail
@@ -108,12 +109,16 @@ for stage in "$@"; do
             timeout 300 "$NCU" --clock-control none --profile-from-start off --set full --import-source yes \
                 -k regex:_decode_linear_kernel -f -o "$OUT/epilogue" python3 benchmarks/gpu/profile_epilogue.py 2>&1 | tail -5
             "$NCU" --import "$OUT/epilogue.ncu-rep" --page details --csv > "$OUT/details.csv" 2> "$OUT/ncu_err.txt"
-            for i in $(seq 0 15); do
+            for i in ${NCU_SOURCES:-0 1 3 5}; do  # (a call brings back at most 8 files)
                 "$NCU" --import "$OUT/epilogue.ncu-rep" --page source --print-source sass --csv --launch-skip "$i" --launch-count 1 > "$OUT/source_$i.csv" 2>> "$OUT/ncu_err.txt"
             done
-            "$NCU" --import "$OUT/epilogue.ncu-rep" --page source --print-source cuda,sass --csv --launch-skip 1 --launch-count 1 > "$OUT/source_cuda_1.txt" 2>> "$OUT/ncu_err.txt"
-            tail -5 "$OUT/ncu_err.txt"; ls -la "$OUT" | head -30
+            rm -f "$OUT/epilogue.ncu-rep"
             python3 benchmarks/gpu/profile_epilogue.py --summarize "$OUT" 2>&1 | tee "$OUT/ncu_summary.txt" | head -150
+            ;;
+        epi13)
+            timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py tests/gpu/test_gated_lora.py tests/gpu/test_fused_decoder_path.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"
+            timeout 100 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt" | tail -14
+            timeout 200 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e_8b.json" 2>&1 | tee "$OUT/e2e_8b.txt" | grep -A6 "^| model\|parity max\|greedy ids\|replay"
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"

@@ -78,15 +78,30 @@ def lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def expand_chunk(delta, b, h, slot, chunk, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                 SLOTS_PER_CHUNK: tl.constexpr, LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr,
-                 LORA_IEEE: tl.constexpr):  # fmt: skip
-    """delta (BLOCK_N, BLOCK_M) += B_chunk s^T, s (BLOCK_M, C) = each token's h in its own slot's columns."""
+def slot_columns(h_base, stride_bm, stride_bsp, slot, m_mask, chunk, n_planes, R: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr, RED: tl.constexpr):  # fmt: skip
+    """s (BLOCK_M, C) fp32 for slots chunk .. chunk + SLOTS_PER_CHUNK: token m's s (its split-K planes
+    summed) in the columns of its own slot, zeros elsewhere (and past R). h_base: the shrink's buf at
+    (plane 0, this slice, token 0, rank 0).
+
+    A gather: each column loads its token's rank c % BLOCK_R only where the token's slot is the column's,
+    so that tokens without a slot (-1) load nothing, whatever their rows hold (NaN included).
+    NOTE: until session 13 each token's h (BLOCK_M, BLOCK_R) was loaded, broadcast to the chunk's columns
+    and selected; Nsight Compute (benchmarks/gpu/profile_epilogue.py) showed that epilogue at ~640
+    instructions a warp with one warp per scheduler, nothing to hide their latency, and the B load's
+    shared-memory store waiting before h's loads were issued (two round trips).
+    """
     offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
+    c_r = offs_c % BLOCK_R
     c_j = chunk + offs_c // BLOCK_R
-    hx = tl.reshape(tl.broadcast_to(h[:, None, :], (BLOCK_M, SLOTS_PER_CHUNK, BLOCK_R)), (BLOCK_M, SLOTS_PER_CHUNK * BLOCK_R))
-    # a select, not a product: rows of tokens without a slot (-1) may hold anything, NaN included
-    sx = tl.where(slot[:, None] == c_j[None, :], hx, 0.0)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask = (m_mask[:, None] & (slot[:, None] == c_j[None, :])) & (c_r < R)[None, :]
+    return sum_planes(h_base + offs_m[:, None] * stride_bm + c_r[None, :], mask, n_planes, stride_bsp, RED, False)
+
+
+@triton.jit
+def expand_chunk(delta, b, sx, LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr, LORA_IEEE: tl.constexpr):
+    """delta (BLOCK_N, BLOCK_M) += B_chunk sx^T, sx (BLOCK_M, C) from ``slot_columns``."""
     sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
     delta += dot_in(b, tl.trans(sx), LORA_CDT, LORA_IEEE)
     return delta
@@ -103,9 +118,10 @@ def block_delta(
     """delta (BLOCK_N, BLOCK_M) fp32 of column block pid_n for tokens 0..M-1 (zero for tokens of no slot).
 
     buf: the shrink's (SPLIT_K, n_slices, M, R) fp32 partials, every column written for the tokens with a
-    slot (zeros past its rank), read after the PDL wait (USE_PDL). Slots and B (mapping and weights,
-    written before the forward) are loaded before it. No load waits on another: the slots, B and buf
-    are one round trip to memory, not three (slot, then its rank, then buf masked by the rank).
+    slot (zeros past its rank), read after the PDL wait (USE_PDL). The slots (mapping, written before the
+    forward) are loaded before it; s and then B after it, so that both loads are in flight before the
+    first of them is used (B's store into shared memory for the MMA waits for B: issued first, it held
+    back s's loads by a round trip, ncu session 13; B itself was pulled into L2 during the K loop).
     """
     sl, b_ptr, stride_ws, n_loc0 = lora_slice(
         pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N
@@ -113,23 +129,19 @@ def block_delta(
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)  # (BLOCK_M,)
+    if USE_PDL:
+        # launched while the shrink runs: its buf is read only after it has finished
+        tl.extra.cuda.gdc_wait()
     # NOTE: the whole chunk of slots is ONE load of B and ONE MMA: s is expanded to (tokens, slots x r)
     # with zeros outside each token's own slot, so each token meets only its own B. A loop of one
     # small MMA per slot paid a DRAM round trip per slot in every wave of programs (LoRA cost of gate_up,
     # 3.4 waves: 24 µs, then 14 with this; o, one wave: 7.0, then 5.8; H200, 32 tokens, 8 slots).
-    offs_r = tl.arange(0, BLOCK_R)
-    h_ptrs = buf_ptr + sl * stride_bi + offs_m[:, None] * stride_bm + offs_r[None, :]
-    # rows of tokens without a slot hold whatever buf held: expand_chunk's select drops them
-    h_mask = m_mask[:, None] & (offs_r < R)[None, :]
     delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    h_base = buf_ptr + sl * stride_bi
     for chunk in range(0, S, SLOTS_PER_CHUNK):
+        sx = slot_columns(h_base, stride_bm, stride_bsp, slot, m_mask, chunk, SPLIT_K, R, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, RED)
         b = lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
-        if USE_PDL:
-            # launched while the shrink runs: its buf is read only after it has finished
-            tl.extra.cuda.gdc_wait()
-        # h (BLOCK_M, BLOCK_R): each token's s, its split-K planes (if any are left) summed
-        h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False)
-        delta = expand_chunk(delta, b, h, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
+        delta = expand_chunk(delta, b, sx, LORA_WDT, LORA_CDT, LORA_IEEE)
     return delta
 
 

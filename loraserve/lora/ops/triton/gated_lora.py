@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.lora.ops.triton.expand_block import expand_chunk, lora_b_chunk, slots_per_chunk
-from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, sum_planes, tl_dtype
+from loraserve.lora.ops.triton.expand_block import expand_chunk, lora_b_chunk, slot_columns, slots_per_chunk
+from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, tl_dtype
 
 MAX_TOKENS = 32  # one tile of tokens; a decode step's batch (decode_linear.MAX_TOKENS)
 DEFAULT_BLOCK_N = 64  # columns of each half a program owns (the --gated sweep's fastest; silu_and_mul_lora)
@@ -71,23 +71,22 @@ def _silu_and_mul_lora_kernel(
     n0 = tl.program_id(0) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
     n_mask = offs_n < D
     m_mask = offs_m < M
     slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)
-    hg_ptrs = buf_ptr + offs_m[:, None] * stride_bm + offs_r[None, :]
-    h_mask = m_mask[:, None] & (offs_r < R)[None, :]
     dg = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     du = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for chunk in range(0, S, SLOTS_PER_CHUNK):
+        # B before the wait: launched early, this kernel loads it while the GEMM still streams W
         bg = lora_b_chunk(bg_ptr, stride_wsg, n0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
         bu = lora_b_chunk(bu_ptr, stride_wsu, n0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
         if PDL_CHAIN:  # buf is the shrink's, which finished before the GEMM did (decode_linear's after_shrink)
             tl.extra.cuda.gdc_wait()
-        hg = sum_planes(hg_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False)
-        hu = sum_planes(hg_ptrs + stride_bi, h_mask, SPLIT_K, stride_bsp, RED, False)
-        dg = expand_chunk(dg, bg, hg, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
-        du = expand_chunk(du, bu, hu, slot, chunk, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, LORA_WDT, LORA_CDT, LORA_IEEE)
+        sg = slot_columns(buf_ptr, stride_bm, stride_bsp, slot, m_mask, chunk, SPLIT_K, R, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, RED)
+        su = slot_columns(buf_ptr + stride_bi, stride_bm, stride_bsp, slot, m_mask, chunk, SPLIT_K, R, BLOCK_M, BLOCK_R,
+                          SLOTS_PER_CHUNK, RED)  # fmt: skip
+        dg = expand_chunk(dg, bg, sg, LORA_WDT, LORA_CDT, LORA_IEEE)
+        du = expand_chunk(du, bu, su, LORA_WDT, LORA_CDT, LORA_IEEE)
     if PDL_CHAIN:  # (S >= 1, so the loop has waited: a safety for S == 0; a met wait returns at once)
         tl.extra.cuda.gdc_wait()
     mask = n_mask[:, None] & m_mask[None, :]

@@ -113,8 +113,14 @@ def sum_planes(ptrs, mask, n_planes, plane_stride, RED: tl.constexpr, PAST_L1: t
     decode sizes); unrolling all planes made the compiler stage them in shared memory (704 KB,
     OutOfResources). Plane order whatever the tile shape gives the same bits (a tl.sum's order follows
     the layout). PAST_L1 (.cg): the planes were written by other SMs during this launch, and L1 is not
-    coherent across SMs.
+    coherent across SMs. Every caller passes RED = min(next_power_of_2(n_planes), 16), so RED == 1 means
+    exactly one plane: one load, no runtime loop (the engine's shrink sums its own splits; the loop's
+    branches cost decode_linear's epilogue instructions that nothing hides, ncu session 13).
     """
+    if RED == 1:
+        if PAST_L1:
+            return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     total = tl.zeros(ptrs.shape, dtype=tl.float32)
     for p0 in range(0, n_planes, RED):
         for j in tl.static_range(RED):
