@@ -138,7 +138,9 @@ def block_delta(
     # 3.4 waves: 24 µs, then 14 with this; o, one wave: 7.0, then 5.8; H200, 32 tokens, 8 slots).
     delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     h_base = buf_ptr + sl * stride_bi
-    for chunk in range(0, S, SLOTS_PER_CHUNK):
+    # NOTE: num_stages=1: the kernel's num_stages would software-pipeline this loop too (5 buffers of s and B
+    # in shared memory, 240 KB for qkv: OutOfResources on the H200, session 13)
+    for chunk in tl.range(0, S, SLOTS_PER_CHUNK, num_stages=1):
         sx = slot_columns(h_base, stride_bm, stride_bsp, slot, m_mask, chunk, SPLIT_K, R, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, RED)
         b = lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
         delta = expand_chunk(delta, b, sx, LORA_WDT, LORA_CDT, LORA_IEEE)
