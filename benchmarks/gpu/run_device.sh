@@ -106,14 +106,15 @@ for stage in "$@"; do
             # the warp-state samples per SASS instruction, exported as csv and summarized
             NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
             echo "ncu: $NCU"; "$NCU" --version | tail -1
+            NCU_TMP=$(mktemp -d)  # the report and the exports stay here: a call brings back at most 8 files
             timeout 300 "$NCU" --clock-control none --profile-from-start off --set full --import-source yes \
-                -k regex:_decode_linear_kernel -f -o "$OUT/epilogue" python3 benchmarks/gpu/profile_epilogue.py 2>&1 | tail -5
-            "$NCU" --import "$OUT/epilogue.ncu-rep" --page details --csv > "$OUT/details.csv" 2> "$OUT/ncu_err.txt"
-            for i in ${NCU_SOURCES:-0 1 3 5}; do  # (a call brings back at most 8 files)
-                "$NCU" --import "$OUT/epilogue.ncu-rep" --page source --print-source sass --csv --launch-skip "$i" --launch-count 1 > "$OUT/source_$i.csv" 2>> "$OUT/ncu_err.txt"
+                -k regex:_decode_linear_kernel -f -o "$NCU_TMP/epilogue" python3 benchmarks/gpu/profile_epilogue.py 2>&1 | tail -3
+            "$NCU" --import "$NCU_TMP/epilogue.ncu-rep" --page details --csv > "$NCU_TMP/details.csv"
+            for i in ${NCU_SOURCES:-0 1 5}; do
+                "$NCU" --import "$NCU_TMP/epilogue.ncu-rep" --page source --print-source sass --csv --launch-skip "$i" --launch-count 1 > "$NCU_TMP/source_$i.csv"
             done
-            rm -f "$OUT/epilogue.ncu-rep"
-            python3 benchmarks/gpu/profile_epilogue.py --summarize "$OUT" 2>&1 | tee "$OUT/ncu_summary.txt" | head -150
+            python3 benchmarks/gpu/profile_epilogue.py --summarize "$NCU_TMP" 2>&1 | tee "$OUT/ncu_summary.txt" | grep "^## source"
+            for i in ${NCU_KEEP:-1}; do cp "$NCU_TMP/source_$i.csv" "$OUT/"; done
             ;;
         epi13)
             timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py tests/gpu/test_gated_lora.py tests/gpu/test_fused_decoder_path.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"
