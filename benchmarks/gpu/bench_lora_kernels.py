@@ -240,7 +240,7 @@ def bench_attention(name, q_lens, ctx_lens, heads=32, kv_heads=8, head_dim=128):
 PREFILL_CASES = [c for c in LORA_CASES if c[1] > 256]  # the 4096-token (prefill) shapes
 
 
-def tune_prefill(bw: float) -> dict:
+def tune_prefill(bw: float, tune_kinds: tuple[str, ...] = ("shrink", "expand")) -> dict:
     """Sweeps the shrink's and the expand's prefill tiles (``lora_shrink.PREFILL``,
     ``lora_expand.PREFILL``) at 4096 tokens, each kernel timed alone (graph replay, L2 flushed), checked
     against the default tiles' result; prints the fastest per case and the tiles with the least time
@@ -254,20 +254,15 @@ def tune_prefill(bw: float) -> dict:
 
     default_s, default_e = shrink_mod.PREFILL, expand_mod.PREFILL
     # (session 9's first sweep: one slice a program, 64 x 64 tiles, 512 programs, 4 warps, 3 stages was
-    # the fastest of 32, the defaults before; its second chose every slice in a program, below)
+    # the fastest of 32, the defaults before; its second, block_m (64, 128) x block_k (64, 128, 256) x
+    # programs (256, 512) x warps (4, 8) at 3 stages, chose every slice in a program, 4 stages, 256 programs.
+    # Session 13's: more programs (K split up to 16 ways) and 3-5 stages around that choice)
     shrink_grid = [
         shrink_mod.PrefillTiles(
             block_m=bm, block_k=bk, programs=p, num_warps=w, num_stages=st, fuse_slices=True
         )
-        for bm, bk, p, w, st in itertools.product((64, 128), (64, 128, 256), (256, 512), (4, 8), (3,))
-        if bm * bk <= 16384  # 128 x 256 overflows shared memory (264 KiB of 227, session 9)
-    ] + [
-        shrink_mod.PrefillTiles(
-            block_m=64, block_k=64, programs=256, num_warps=4, num_stages=4, fuse_slices=True
-        ),
-        shrink_mod.PrefillTiles(
-            block_m=64, block_k=64, programs=512, num_warps=4, num_stages=3, fuse_slices=False
-        ),
+        for (bm, w), bk, p, st in itertools.product(((64, 4), (128, 8)), (64, 128), (256, 512, 1024), (3, 4, 5))
+        if bm * bk * st <= 64 * 128 * 4  # the shared memory of x's stages (128 x 128 x 5 overflows)
     ]
     expand_grid = [
         expand_mod.PrefillTiles(block_m=bm, block_n=bn, num_warps=w)
@@ -322,7 +317,8 @@ def tune_prefill(bw: float) -> dict:
             return do_bench(gr.replay, warmup=10, rep=60, return_mode="median") * 1e3, err, None
 
         best = {}
-        for kind, grid, nbytes in (("shrink", shrink_grid, s_bytes), ("expand", expand_grid, e_bytes)):
+        kinds = (("shrink", shrink_grid, s_bytes), ("expand", expand_grid, e_bytes))
+        for kind, grid, nbytes in [k for k in kinds if k[0] in tune_kinds]:
             rows = []
             for tiles in grid:
                 if kind == "shrink":
@@ -354,8 +350,8 @@ def tune_prefill(bw: float) -> dict:
         for name, T, S, K, outs in PREFILL_CASES:
             picks[(name, str(wdtype))] = tune_case(wdtype, name, T, S, K, outs)
     # one pick per kernel for every case: the tiles with the least summed time over the cases
-    chosen = {}
-    for kind, default in (("shrink", default_s), ("expand", default_e)):
+    chosen = {"shrink": default_s, "expand": default_e}
+    for kind, default in [k for k in (("shrink", default_s), ("expand", default_e)) if k[0] in tune_kinds]:
         totals: dict = {}
         for best in picks.values():
             for us, tiles, _ in best[kind]:
@@ -380,6 +376,7 @@ def main() -> None:
         help="sweep the shrink's and expand's tiles at 4096 tokens, keep the fastest, then time the table with them",
     )  # fmt: skip
     ap.add_argument("--prefill-only", action="store_true", help="only the 4096-token rows of the table")
+    ap.add_argument("--tune-kinds", default="shrink,expand", help="which kernels --tune-prefill sweeps")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
@@ -391,7 +388,7 @@ def main() -> None:
             "| op | tokens | LoRA dtype | kernel | tiles | µs | % copy BW | default tiles | rel err vs default |"
         )
         print("|---|---|---|---|---|---|---|---|---|")
-        tuned = tune_prefill(bw)
+        tuned = tune_prefill(bw, tuple(args.tune_kinds.split(",")))
     print(
         f"correctness guard (qkv, 64 tokens, bf16 x, fp32 weights): rel err of the delta {check_lora_once():.1e}"
     )

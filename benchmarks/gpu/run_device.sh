@@ -24,6 +24,7 @@
 #                                               --lora-tune with bf16 LoRA weights on the four ops
 #   bash benchmarks/gpu/run_device.sh ncu       # Nsight Compute on the plain and the LoRA'd decode GEMM (profile_epilogue.py)
 #   bash benchmarks/gpu/run_device.sh epi13     # the LoRA decode kernel tests, --matrix rows default and bf16 LoRA, bench_e2e Llama-8B
+#   bash benchmarks/gpu/run_device.sh shrink-tune  # bench_lora_kernels --tune-prefill of the shrink only (the 4096-token rows after)
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
 set -uo pipefail
@@ -120,6 +121,9 @@ for stage in "$@"; do
             timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_decode_linear.py tests/gpu/test_triton_lora.py tests/gpu/test_gated_lora.py tests/gpu/test_fused_decoder_path.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"
             timeout 100 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt" | tail -14
             timeout 200 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf --bf16-loras --json "$OUT/e2e_8b.json" 2>&1 | tee "$OUT/e2e_8b.txt" | grep -A6 "^| model\|parity max\|greedy ids\|replay"
+            ;;
+        shrink-tune)
+            timeout 480 python3 benchmarks/gpu/bench_lora_kernels.py --tune-prefill --tune-kinds shrink --prefill-only --json "$OUT/shrink_tuned.json" 2>&1 | tee "$OUT/shrink_tuned.txt" | grep -v "^|---"
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"
