@@ -63,6 +63,35 @@ def run() -> None:
     print(f"profiled {len(calls)} launches: {LAUNCHES}")
 
 
+def run_prefill_shrink() -> None:
+    """The prefill shrink of qkv at 4096 tokens (32 sequences of 128, 8 adapters round-robin), bf16 then fp32
+    A, each launched once inside the profiled range (``-k regex:_lora_shrink_kernel``)."""
+    import torch
+
+    from loraserve.lora.ops.triton.lora_shrink import lora_shrink
+    from loraserve.lora.punica import LoRAMapping
+
+    dev = torch.device("cuda")
+    T, S, K, rank = 4096, 8, 4096, 16
+    meta = LoRAMapping.build([(t // 128) % S for t in range(T)], [], dev).token_meta
+    ranks = torch.full((S,), rank, dtype=torch.int32, device=dev)
+    x = torch.randn(T, K, device=dev).bfloat16()
+    calls = []
+    for dt in (torch.bfloat16, torch.float32):
+        A = tuple((torch.randn(S, 1, rank, K, device=dev) * 0.02).to(dt) for _ in range(3))
+        calls.append(lambda A=A: lora_shrink(x, A, meta, ranks, rank))
+    for fn in calls:
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("profiled the prefill shrink: qkv, 4096 tokens, bf16 then fp32 A")
+
+
 def _rows(text: str) -> list[dict]:
     lines = [ln for ln in text.splitlines() if ln.startswith('"') and not ln.startswith('"Kernel Name"')]
     return list(csv.DictReader(io.StringIO("\n".join(lines))))
@@ -78,9 +107,11 @@ def summarize(out: Path) -> None:
     want = ["GPU Speed Of Light Throughput/Duration", "GPU Speed Of Light Throughput/Memory Throughput",
             "GPU Speed Of Light Throughput/DRAM Throughput", "Launch Statistics/Registers Per Thread",
             "Launch Statistics/Dynamic Shared Memory Per Block", "Occupancy/Achieved Occupancy",
-            "Warp State Statistics/Warp Cycles Per Issued Instruction"]  # fmt: skip
+            "Warp State Statistics/Warp Cycles Per Issued Instruction", "Launch Statistics/Grid Size",
+            "Occupancy/Theoretical Occupancy", "Launch Statistics/Waves Per SM", "Memory Workload Analysis/L2 Hit Rate",
+            "GPU Speed Of Light Throughput/Compute (SM) Throughput", "Memory Workload Analysis/Mem Busy"]  # fmt: skip
     for i, (launch_id, metrics) in enumerate(sorted(per_launch.items(), key=lambda kv: int(kv[0]))):
-        label = LAUNCHES[i] if i < len(LAUNCHES) else ("?", "?")
+        label = LAUNCHES[i] if i < len(LAUNCHES) and len(per_launch) == len(LAUNCHES) else ("launch", str(i))
         print(f"## launch {launch_id} {label[0]} {label[1]}")
         for k in want:
             print(f"   {k}: {metrics.get(k, '-')}")
@@ -97,9 +128,11 @@ def summarize(out: Path) -> None:
         executed = [int(r.get("Instructions Executed") or 0) for r in rows]
         in_loop = [j for j, e in enumerate(executed) if e == max(executed)]  # the K loop: the most executed
         lo, hi = in_loop[0], in_loop[-1]
-        print(f"## {path.name} {LAUNCHES[i] if i < len(LAUNCHES) else ''}: {len(rows)} SASS, {sum(samples):.0f} samples: "
+        print(f"## {path.name} {LAUNCHES[i] if len(per_launch) == len(LAUNCHES) else ''}: {len(rows)} SASS, {sum(samples):.0f} samples: "
               f"{sum(samples[:lo]):.0f} before the K loop, {sum(samples[lo:hi + 1]):.0f} in it, {sum(samples[hi + 1:]):.0f} after "
               f"({sum(executed[hi + 1:])} warp instructions after it)")  # fmt: skip
+        stalls = {c: sum(float(r[c] or 0) for r in rows) for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c}
+        print("   stalls: " + ", ".join(f"{k[6:]} {v:.0f}" for k, v in sorted(stalls.items(), key=lambda kv: -kv[1])[:8]))
         hot = sorted(rows, key=lambda r: -float(r[sample_col] or 0))[:25]
         for r in hot:
             print(f"   {float(r[sample_col] or 0):7.0f}  {r.get('Address', '')}  {r.get('Source', '')[:90]}")
@@ -108,8 +141,11 @@ def summarize(out: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--summarize", type=Path, help="the folder of ncu's csv exports")
+    p.add_argument("--prefill-shrink", action="store_true", help="profile the prefill shrink instead (run_prefill_shrink)")
     a = p.parse_args()
-    if a.summarize:
+    if a.prefill_shrink:
+        run_prefill_shrink()
+    elif a.summarize:
         summarize(a.summarize)
     else:
         run()

@@ -125,6 +125,20 @@ for stage in "$@"; do
         shrink-tune)
             timeout 480 python3 benchmarks/gpu/bench_lora_kernels.py --tune-prefill --tune-kinds shrink --prefill-only --json "$OUT/shrink_tuned.json" 2>&1 | tee "$OUT/shrink_tuned.txt" | grep -v "^|---"
             ;;
+        ncu-shrink)
+            # Nsight Compute on the prefill shrink (qkv, 4096 tokens, bf16 and fp32 A): launches 0 and 1
+            NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+            NCU_TMP=$(mktemp -d)
+            timeout 200 "$NCU" --clock-control none --profile-from-start off --set full --import-source yes \
+                -k regex:_lora_shrink_kernel -f -o "$NCU_TMP/shrink" python3 benchmarks/gpu/profile_epilogue.py --prefill-shrink 2>&1 | tail -2
+            "$NCU" --import "$NCU_TMP/shrink.ncu-rep" --page details --csv > "$NCU_TMP/details.csv"
+            "$NCU" --import "$NCU_TMP/shrink.ncu-rep" --page details > "$OUT/shrink_details.txt"
+            for i in 0 1; do
+                "$NCU" --import "$NCU_TMP/shrink.ncu-rep" --page source --print-source sass --csv --launch-skip "$i" --launch-count 1 > "$NCU_TMP/source_$i.csv"
+            done
+            python3 benchmarks/gpu/profile_epilogue.py --summarize "$NCU_TMP" 2>&1 | tee "$OUT/ncu_shrink_summary.txt" | head -60
+            cp "$NCU_TMP/source_0.csv" "$OUT/shrink_source_0.csv"
+            ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"
             ;;
