@@ -94,6 +94,18 @@ the kernel before it runs. Same bits (GPU tests). --matrix: 15.8-15.9 vs 15.4 µ
 B), 23.4 vs 23.2 (fp32); end to end much slower (8-adapter step 6.15 vs 5.56 ms fp32, 6.00 vs 5.28 bf16;
 not profiled: the early GEMM programs hold SMs while the kernels before the shrink still run). Removed.
 
+What the epilogue costs, measured (session 13, Nsight Compute: ``benchmarks/gpu/profile_epilogue.py``, run
+by ``run_device.sh ncu``; warp-state samples per SASS instruction, qkv with bf16 B on a ready buffer):
+the K loop takes the same samples with and without LoRA (1027 vs 1044); after it the plain GEMM has 21
+and the LoRA'd one had 173, over ~640 instructions a warp with one warp per scheduler (nothing hides
+their latency), the largest stalls being the shared-memory store of B waiting for B's load and then
+s's loads, issued only after that store (two round trips). ``block_delta`` now gathers s straight into
+its slot's columns and loads it before B (one round trip; ``expand_block.slot_columns``): 126 samples,
+~370 instructions, 96-134 registers instead of 128-166; --matrix 14.2 vs 16.1-16.5 µs of LoRA cost a
+layer with bf16 B and 22.8-23.3 vs 24.3-24.8 with fp32; the 8-adapter step 1.09x the base with bf16
+LoRA weights (BENCHMARKS.md session 13). What is left after the loop is that round trip (~40 samples)
+and the MMA's wait (~15).
+
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
 columns; with ``split_k`` > 1 several programs share one over slices of K, and the last to finish

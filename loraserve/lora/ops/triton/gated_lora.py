@@ -102,7 +102,8 @@ def _silu_and_mul_lora_kernel(
 
 # Knob (a module attribute; LORASERVE_GATED_LORA=1/0 forces the path on/off): the largest K (the GEMM's inner
 # size: the model's hidden_size) for which ``prefer`` takes this path over the delta in the GEMM's epilogue:
-# the epilogue's latency weighs where each program's K loop is short. Measured on the H200 (session 11,
+# the epilogue's latency weighs where each program's K loop is short. Measured on the H200 (session 11, before
+# session 13 made both paths gather s into its slot's columns;
 # bench_decode_linear.py --gated, 32 tokens, 8 adapters; LoRA cost of gate_up + SiLU-and-mul, this path
 # against the epilogue, µs, bf16 B / fp32 B):
 #   Qwen2.5-0.5B (2 x 4864 by K 896)     3.1 vs 4.7 / 4.7 vs 7.4
