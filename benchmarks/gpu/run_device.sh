@@ -25,6 +25,7 @@
 #   bash benchmarks/gpu/run_device.sh ncu       # Nsight Compute on the plain and the LoRA'd decode GEMM (profile_epilogue.py)
 #   bash benchmarks/gpu/run_device.sh epi13     # the LoRA decode kernel tests, --matrix rows default and bf16 LoRA, bench_e2e Llama-8B
 #   bash benchmarks/gpu/run_device.sh shrink-tune  # bench_lora_kernels --tune-prefill of the shrink only (the 4096-token rows after)
+#   bash benchmarks/gpu/run_device.sh evenr     # every GPU test, the 4096-token LoRA rows, --matrix rows default and bf16 LoRA
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
 set -uo pipefail
@@ -138,6 +139,11 @@ for stage in "$@"; do
             done
             python3 benchmarks/gpu/profile_epilogue.py --summarize "$NCU_TMP" 2>&1 | tee "$OUT/ncu_shrink_summary.txt" | head -60
             cp "$NCU_TMP/source_0.csv" "$OUT/shrink_source_0.csv"
+            ;;
+        evenr)
+            timeout 200 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -2 | tee "$OUT/gpu_tests.txt"
+            timeout 100 python3 benchmarks/gpu/bench_lora_kernels.py --prefill-only 2>&1 | grep "^| qkv\|^| gate_up\|copy" | tee "$OUT/prefill.txt"
+            timeout 100 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt" | tail -4
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"

@@ -47,8 +47,21 @@ from loraserve.lora.punica import SegmentMeta
 
 
 @triton.jit
+def _out_mask(m_mask, offs_r, R, EVEN_R: tl.constexpr):
+    """The mask of a (BLOCK_M, BLOCK_R) tile of buf: the block's tokens, and columns r < R unless EVEN_R (R a
+    multiple of BLOCK_R, so every column of the grid is < R): a mask constant along r lets the compiler store
+    and load 16 bytes a thread instead of 4 (R is a runtime value; ncu, session 13: the prefill shrink's
+    partial stores and plane loads used a quarter of each sector)."""
+    if EVEN_R:
+        r_ok = tl.full(offs_r.shape, 1, tl.int1)  # a splat: the compiler sees the mask constant along r
+    else:
+        r_ok = offs_r < R
+    return m_mask[:, None] & r_ok[None, :]
+
+
+@triton.jit
 def _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl, R, stride_bsp, stride_bi, stride_bm,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, REDUCE: tl.constexpr):  # fmt: skip
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, REDUCE: tl.constexpr, EVEN_R: tl.constexpr):  # fmt: skip
     """Zeros into columns r0 .. r0 + BLOCK_R (< R) of this block's tokens, in this split's plane (with
     REDUCE only split 0 stores: plane 0 is all that is read)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -58,9 +71,7 @@ def _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl, R, st
     tok = tl.load(meta_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     ptrs = buf_ptr + split * stride_bsp + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
-    tl.store(
-        ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), mask=m_mask[:, None] & (offs_r < R)[None, :]
-    )
+    tl.store(ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), mask=_out_mask(m_mask, offs_r, R, EVEN_R))
 
 
 @triton.jit
@@ -68,8 +79,8 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
                        stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm,
                        R, NUM_SLICES: tl.constexpr, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, CDT: tl.constexpr,
-                       IEEE: tl.constexpr, USE_PDL: tl.constexpr, slot, seg, seg_start, seg_len, rank, rblock,
-                       split, pid_m):  # fmt: skip
+                       IEEE: tl.constexpr, USE_PDL: tl.constexpr, EVEN_R: tl.constexpr, slot, seg, seg_start,
+                       seg_len, rank, rblock, split, pid_m):  # fmt: skip
     """FUSE_SLICES (prefill, and decode with half-precision A): one program computes the tile (BLOCK_M tokens, BLOCK_R ranks, its K split) of
     every slice, each tile of x loaded once for all of them; then the same stores and split sum as a
     one-slice program, with one arrival for the slices together."""
@@ -101,7 +112,7 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
         if NUM_SLICES > 2:
             acc2 += dot_in(xt, tl.load(a2_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
     out = buf_ptr + tok[:, None] * stride_bm + offs_r[None, :]  # slice 0, plane 0
-    out_mask = m_mask[:, None] & (offs_r < R)[None, :]
+    out_mask = _out_mask(m_mask, offs_r, R, EVEN_R)
     tl.store(out + split * stride_bsp, acc0, mask=out_mask)
     if NUM_SLICES > 1:
         tl.store(out + stride_bi + split * stride_bsp, acc1, mask=out_mask)
@@ -123,8 +134,8 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
                       stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
                       NUM_SLICES: tl.constexpr, NUM_RBLOCKS, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                      CDT: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr, slot, seg, seg_start, seg_len,
-                      rank, rblock, split, sl, pid_m):  # fmt: skip
+                      CDT: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr, EVEN_R: tl.constexpr, slot, seg,
+                      seg_start, seg_len, rank, rblock, split, sl, pid_m):  # fmt: skip
     """A program that owns one slice of its tile (decode with fp32 A, and prefill of one-slice layers)."""
     r0 = rblock * BLOCK_R
     m0 = pid_m * BLOCK_M
@@ -168,7 +179,7 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
             at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
             acc += dot_in(xt, at, CDT, IEEE)
     out = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]  # plane 0
-    out_mask = m_mask[:, None] & (offs_r < R)[None, :]  # zeros past the rank (A masked there)
+    out_mask = _out_mask(m_mask, offs_r, R, EVEN_R)  # zeros past the rank (A masked there)
     tl.store(out + split * stride_bsp, acc, mask=out_mask)
     if REDUCE:
         # NOTE: the semaphore pattern of decode_linear's split-K: all threads' stores, a CTA barrier, one
@@ -222,6 +233,7 @@ def _lora_shrink_kernel(
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EVEN_R: tl.constexpr,  # R % BLOCK_R == 0: every rank column of the grid exists (_out_mask)
 ):
     """A grid (split x rank blocks x slices, token blocks, segments)."""
     pid0 = tl.program_id(0)
@@ -248,17 +260,17 @@ def _lora_shrink_kernel(
             # sums (plane 0 alone when the splits are summed here): decode_linear's epilogue loads no rank
             for i in tl.static_range(NUM_SLICES if FUSE_SLICES else 1):
                 _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl + i, R, stride_bsp,
-                             stride_bi, stride_bm, BLOCK_M, BLOCK_R, REDUCE)  # fmt: skip
+                             stride_bi, stride_bm, BLOCK_M, BLOCK_R, REDUCE, EVEN_R)  # fmt: skip
     elif FUSE_SLICES:
         _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split,
                            stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi,
                            stride_bm, R, NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, CDT,
-                           IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
+                           IEEE, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
     else:
         _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split, stride_xm,
                           stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
                           NUM_SLICES, NUM_RBLOCKS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, ONE_CHUNK, CDT,
-                          IEEE, USE_PDL, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m)  # fmt: skip
+                          IEEE, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m)  # fmt: skip
 
 
 # Tuning knobs (module attributes, so that benchmarks/gpu/bench_decode_linear.py --matrix can sweep them):
@@ -431,6 +443,6 @@ def lora_shrink(
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
         ZERO_FILL=zero_fill, FUSE_SLICES=fuse,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
-        USE_PDL=pdl, launch_pdl=pdl, **launch,
+        USE_PDL=pdl, EVEN_R=R % block_r == 0, launch_pdl=pdl, **launch,
     )  # fmt: skip
     return buf[:1] if reduce else buf
