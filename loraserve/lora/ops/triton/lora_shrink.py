@@ -318,7 +318,10 @@ class PrefillTiles:
     weights, µs alone): every slice in one program, 64 x 64 tiles, 4 stages, K split to ~256 programs:
     qkv 24.5 / 32.4, gate_up 22.2 / 28.3, against one slice a program at 512 programs' 25.8 / 38.1 and
     23.8 / 31.3 (the least time summed over the four cases). Still 29-38% of copy bandwidth: x's 33.5
-    MB take ~24 µs where a copy would move them in 8 (not profiled).
+    MB take ~24 µs where a copy would move them in 8. Session 13's sweep (up to 1024 programs, 3-5 stages)
+    kept these. Profiled (ncu, session 13, qkv with bf16 A; BENCHMARKS.md): 1.9 programs resident per SM
+    of the 4 that fit, 13% of the warp samples before the K loop (the chain of segment, slot, rank and
+    token loads), 21% after it (the split-K tail), and the loop waiting at its pipeline barrier.
     """
 
     block_m: int = 64
