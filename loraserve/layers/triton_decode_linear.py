@@ -101,7 +101,7 @@ and the LoRA'd one had 173, over ~640 instructions a warp with one warp per sche
 their latency), the largest stalls being the shared-memory store of B waiting for B's load and then
 s's loads, issued only after that store (two round trips). ``block_delta`` now gathers s straight into
 its slot's columns and loads it before B (one round trip; ``expand_block.slot_columns``): 126 samples,
-~370 instructions, 96-134 registers instead of 128-166; --matrix 14.2 vs 16.1-16.5 µs of LoRA cost a
+~370 instructions, 128 registers with fp32 B instead of 157-166 (bf16 B: 128-134); --matrix 14.2 vs 16.1-16.5 µs of LoRA cost a
 layer with bf16 B and 22.8-23.3 vs 24.3-24.8 with fp32; the 8-adapter step 1.09x the base with bf16
 LoRA weights (BENCHMARKS.md session 13). What is left after the loop is that round trip (~40 samples)
 and the MMA's wait (~15).
@@ -201,8 +201,8 @@ class ExpandEpilogue:
 # NOTE: a register cap on the LoRA variant (the maxnreg launch option, 168) was timed on the H200 (session
 # 9, 8 fp32 slots): 25.4 vs 25.0 µs of LoRA cost per layer, and removed. It was suggested by a compile
 # without the launch's specialization (255 registers and spills); compiled as launched the variant takes
-# 157-166 registers without spills, and shared memory, not registers, bounds its programs per SM
-# (benchmarks/gpu/kernel_resources.py).
+# 157-166 registers without spills (session 9; 128-134 since session 13's epilogue), and shared memory,
+# not registers, bounds its programs per SM (benchmarks/gpu/kernel_resources.py).
 
 
 def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:

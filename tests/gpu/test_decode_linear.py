@@ -69,6 +69,10 @@ CASES = [
     (7, 320, (192,), 5, 16, torch.float16, torch.float32, DecodeTiles(64, 128, 4, 2, split_k=3)),
     (16, 256, (128, 128), 3, 16, torch.float16, torch.float16, DecodeTiles(32, 128, 4, 2, split_k=4)),
     (32, 512, (256, 256), 8, 16, torch.bfloat16, torch.float32, DecodeTiles(64, 128, 4, 3, split_k=4)),
+    # R a multiple of 16, not a power of two (the epilogue's BLOCK_R 64 > R); and K past 16 shrink blocks of
+    # 256, so that with the planes left to the epilogue its sum loops twice, the second time in part
+    (9, 512, (128,), 5, 48, torch.float16, torch.float32, DecodeTiles(32, 128, 4, 2)),
+    (9, 5120, (64,), 3, 16, torch.float16, torch.float32, DecodeTiles(32, 128, 4, 2)),
 ]
 
 

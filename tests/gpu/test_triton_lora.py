@@ -83,14 +83,15 @@ def test_add_lora_linear_matches_reference(case, seed, shrink_reduces):
     check_add_lora_linear(case, seed, shrink_reduces)
 
 
-def check_add_lora_linear(case, seed, shrink_reduces=True) -> SegmentMeta:
+def check_add_lora_linear(case, seed, shrink_reduces=True, top_rank=None) -> SegmentMeta:
     """add_lora_linear on random data (ranks with an empty slot, tokens of no adapter) equals the torch
-    reference; returns the mapping's kernel view."""
+    reference; returns the mapping's kernel view. ``top_rank``: the largest rank in the batch (R if None)."""
     T, S, R, n_in, outs, xdt, wdt, ydt = case
     skip_interpreted_bf16(xdt, wdt)
     g = torch.Generator().manual_seed(seed)
-    ranks = torch.randint(1, R + 1, (S,), generator=g).tolist()
-    ranks[0] = R
+    top = top_rank or R
+    ranks = torch.randint(1, top + 1, (S,), generator=g).tolist()
+    ranks[0] = top
     if S > 2:
         ranks[2] = 0  # an empty slot: its tokens get no delta
     slots = torch.randint(-1, S, (T,), generator=g).tolist()
@@ -122,6 +123,22 @@ def check_add_lora_linear(case, seed, shrink_reduces=True) -> SegmentMeta:
         assert (y.float() - ref).abs().max().item() <= 2 * (ref.abs().max().item() * 2**-7 + 1e-3)
     assert torch.isfinite(y).all()
     return meta
+
+
+@pytest.mark.parametrize(
+    "case, top_rank",
+    [
+        ((9, 4, 48, 256, (128, 64), torch.float16, torch.float32, torch.float32), 33),  # decode sizes
+        ((80, 4, 48, 256, (128, 64), torch.float16, torch.float16, torch.float16), 33),  # prefill sizes
+        ((40, 3, 64, 512, (192,), torch.float32, torch.float32, torch.float32), 20),
+    ],
+    ids=["decode-R48-top33", "prefill-R48-top33", "prefill-R64-top20"],
+)
+@pytest.mark.parametrize("shrink_reduces", [False, True], ids=["planes-summed-by-expand", "summed-by-shrink"])
+def test_add_lora_linear_batch_ranks_below_R(case, top_rank, shrink_reduces):
+    """Every rank in the batch below the stacks' R (a multiple of 16 but not of the rank block's power of two):
+    the shrink's grid covers only the batch's largest rank, and its stores drop the r < R mask (EVEN_R)."""
+    check_add_lora_linear(case, 0, shrink_reduces, top_rank=top_rank)
 
 
 def test_wrapper_dispatches_to_triton_and_covers_logits():

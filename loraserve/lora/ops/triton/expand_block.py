@@ -121,7 +121,8 @@ def block_delta(
     slot (zeros past its rank), read after the PDL wait (USE_PDL). The slots (mapping, written before the
     forward) are loaded before it; s and then B after it, so that both loads are in flight before the
     first of them is used (B's store into shared memory for the MMA waits for B: issued first, it held
-    back s's loads by a round trip, ncu session 13; B itself was pulled into L2 during the K loop).
+    back s's loads by a round trip, ncu session 13; half-precision B was pulled into L2 during the K loop,
+    fp32 B is not by default: ``prefetch_ahead``).
     """
     sl, b_ptr, stride_ws, n_loc0 = lora_slice(
         pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, NUM_SLICES, BLOCK_N
@@ -150,7 +151,7 @@ def block_delta(
 # Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_EPILOGUE_COLUMNS sets it): the
 # most columns of (slot, r) per MMA of the epilogue. Fewer columns, more chunks (a round trip each), but
 # fewer registers: compiled for sm_90 as a launch specializes it (benchmarks/gpu/kernel_resources.py),
-# decode_linear's LoRA variant takes 157-166 registers at 128 columns (fp32 B), 112-124 at 64, 80-94 at
+# decode_linear's LoRA variant took (session 9) 157-166 registers at 128 columns (fp32 B), 112-124 at 64, 80-94 at
 # 32, none spilled; its pipeline's shared memory (96-120 KB) is what limits the programs per SM, with
 # or without LoRA. Timed on the H200 (session 9, 8 fp32 slots, LoRA cost per layer): 25.0 µs at 128,
 # 24.3 at 64, 31.9 at 32 (the 8-adapter step 5.76 vs 5.55 ms).

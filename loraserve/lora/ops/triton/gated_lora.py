@@ -76,8 +76,8 @@ def _silu_and_mul_lora_kernel(
     slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)
     dg = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     du = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    # NOTE: num_stages=1: the kernel's num_stages would software-pipeline this loop too (5 buffers of s and B
-    # in shared memory, 240 KB for qkv: OutOfResources on the H200, session 13)
+    # num_stages=1, as block_delta's loop: pipelined, the loop would stage every chunk's s and B in shared
+    # memory (which took decode_linear past the H200's limit, session 13); one chunk is the usual case
     for chunk in tl.range(0, S, SLOTS_PER_CHUNK, num_stages=1):
         # B before the wait: launched early, this kernel loads it while the GEMM still streams W
         bg = lora_b_chunk(bg_ptr, stride_wsg, n0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)

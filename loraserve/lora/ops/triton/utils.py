@@ -118,6 +118,7 @@ def sum_planes(ptrs, mask, n_planes, plane_stride, RED: tl.constexpr, PAST_L1: t
     branches cost decode_linear's epilogue instructions that nothing hides, ncu session 13).
     """
     if RED == 1:
+        tl.device_assert(n_planes == 1, "sum_planes: RED == 1 reads one plane; pass RED = min(next_pow2(n_planes), 16)")
         if PAST_L1:
             return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
