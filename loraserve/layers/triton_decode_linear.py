@@ -101,9 +101,10 @@ and the LoRA'd one had 173, over ~640 instructions a warp with one warp per sche
 their latency), the largest stalls being the shared-memory store of B waiting for B's load and then
 s's loads, issued only after that store (two round trips). ``block_delta`` now gathers s straight into
 its slot's columns and loads it before B (one round trip; ``expand_block.slot_columns``): 126 samples,
-~370 instructions, 128 registers with fp32 B instead of 157-166 (bf16 B: 128-134); --matrix 14.2 vs 16.1-16.5 µs of LoRA cost a
-layer with bf16 B and 22.8-23.3 vs 24.3-24.8 with fp32; the 8-adapter step 1.09x the base with bf16
-LoRA weights (BENCHMARKS.md session 13). What is left after the loop is that round trip (~40 samples)
+~370 instructions, 128 registers with fp32 B instead of 157-166 (bf16 B: 128-134); --matrix 14.1-14.2
+vs 15.4-16.5 µs of LoRA cost a layer with bf16 B and 22.8-23.3 vs 23.2-24.8 with fp32 (within gate_up's
+spread between calls); the 8-adapter step 1.09x the base with bf16 LoRA weights (BENCHMARKS.md
+session 13). What is left after the loop is that round trip (~40 samples)
 and the MMA's wait (~15).
 
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
