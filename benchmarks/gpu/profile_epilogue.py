@@ -51,16 +51,23 @@ def run() -> None:
             w = case.ws[0]
             calls.append((case, lambda x=case.x, w=w: dl.decode_linear(x, w)))
             calls.append((case, lambda x=case.x, w=w, epi=epi: dl.decode_linear(x, w, lora=epi)))
-    for _, fn in calls:  # compile and warm every variant outside the profiled range
+    profile_once([fn for _, fn in calls])
+    print(f"profiled {len(calls)} launches: {LAUNCHES}")
+
+
+def profile_once(calls) -> None:
+    """Each call warmed (compiled) outside the profiled range, then run once inside it."""
+    import torch
+
+    for fn in calls:
         for _ in range(3):
             fn()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    for _, fn in calls:
+    for fn in calls:
         fn()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print(f"profiled {len(calls)} launches: {LAUNCHES}")
 
 
 def run_prefill_shrink() -> None:
@@ -80,15 +87,7 @@ def run_prefill_shrink() -> None:
     for dt in (torch.bfloat16, torch.float32):
         A = tuple((torch.randn(S, 1, rank, K, device=dev) * 0.02).to(dt) for _ in range(3))
         calls.append(lambda A=A: lora_shrink(x, A, meta, ranks, rank))
-    for fn in calls:
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    profile_once(calls)
     print("profiled the prefill shrink: qkv, 4096 tokens, bf16 then fp32 A")
 
 
