@@ -129,7 +129,9 @@ class LoRAConfig:
     max_loras: int = 4  # adapters resident in device slots, i.e. distinct adapters in one step
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # host cache size; None = max(max_loras, 32)
-    lora_dtype: str | torch.dtype = "auto"  # auto = float32, as PEFT upcasts adapters (autocast_adapter_dtype)
+    # auto: fp16 on the GPU for bf16 models (balanced: every bit the tf32 products use, half of fp32's bytes;
+    # lora/ops/precision.py), float32 elsewhere, as PEFT upcasts adapters (autocast_adapter_dtype)
+    lora_dtype: str | torch.dtype = "auto"
     lora_target_modules: list[str] | None = None  # restrict LoRA to these module names (suffix match)
     fully_sharded_loras: bool = False
     max_adapter_bytes: int = 2 << 30
@@ -148,8 +150,15 @@ class LoRAConfig:
                 f"raise --max-cpu-loras or lower --max-loras"
             )
 
-    def resolved_dtype(self) -> torch.dtype:
+    def resolved_dtype(self, device: torch.device | None = None, model_dtype: torch.dtype | None = None) -> torch.dtype:
+        """The LoRA weights' storage dtype for a model of ``model_dtype`` on ``device`` (the LoRA manager
+        resolves it once and gives its layers a config holding it). auto: fp16 for bf16 models on CUDA,
+        where LoRA products with fp32 weights are tf32 and fp16 holds the same 10 mantissa bits
+        (``precision.balance_to_fp16`` fits the range); float32 elsewhere (CPU, fp32 models: true fp32
+        products; fp16 models, whose fp16 weights would multiply in fp16)."""
         if self.lora_dtype == "auto":
+            if device is not None and device.type == "cuda" and model_dtype == torch.bfloat16:
+                return torch.float16
             return torch.float32
         try:
             return resolve_dtype(self.lora_dtype, None, torch.device("cpu"))

@@ -27,7 +27,7 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 from loraserve.layers import triton_decode_linear as dl
-from loraserve.lora.ops import triton_ops
+from loraserve.lora.ops import precision, triton_ops
 from loraserve.lora.ops.triton import expand_block
 from loraserve.lora.ops.triton import utils as triton_utils
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
@@ -175,6 +175,12 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "32 columns per MMA": ("the epilogue's MMAs over 2 slots (4 chunks): fewer still",
                            {"epi_cols": 32}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
+    "fp16 LoRA": ("A and B stored in fp16 (auto's GPU storage for bf16 models), tf32 products",
+                  {"lora_dtype": torch.float16}),
+    "fp16 LoRA, fp16 products": ("fp16 A and B, x and s cast to fp16 (not what the engine does: x may overflow)",
+                                 {"lora_dtype": torch.float16, "mixed_fp32": False}),
+    "fp16 LoRA, fp32 knobs": ("fp16 A and B, tf32 products, fp32's decode knobs (no B pull, a slice a shrink program)",
+                              {"lora_dtype": torch.float16, "pf_ahead": 0, "fuse_decode": False}),
     "no PDL": ("two ordinary launches", {"pdl": False}),
     # (the default takes the next two for half-precision A and B only)
     "B to L2 2 steps ahead": ("each LoRA'd GEMM program pulls its epilogue's B into L2 2 K steps before its loop "
@@ -200,7 +206,7 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     # helper programs adding the deltas of gate_up's first wave (47671fa), the delta precomputed by programs
     # of the shrink's launch (c61824c), the GEMM launched as its shrink starts, pulling W into L2 (d7188df; session 12)
 }
-PARTS = ("default", "bf16 LoRA")  # configs whose cost is also split into shrink and epilogue
+PARTS = ("default", "bf16 LoRA", "fp16 LoRA")  # configs whose cost is also split into shrink and epilogue
 
 
 def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
@@ -225,7 +231,8 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         return bases[chain]
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES)  # fmt: skip
+             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES,
+             precision.MIXED_HALVES_IN_FP32)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -238,6 +245,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
         dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[7])
         shrink_mod.DECODE_FUSE_SLICES = knobs.get("fuse_decode", saved[8])
+        precision.MIXED_HALVES_IN_FP32 = knobs.get("mixed_fp32", saved[9])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -258,7 +266,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
-         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES) = saved[3:9]  # fmt: skip
+         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES, precision.MIXED_HALVES_IN_FP32) = saved[3:10]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

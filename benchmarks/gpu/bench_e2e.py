@@ -236,10 +236,11 @@ def parity(root: Path) -> dict:
         hf.load_adapter(str(adapters[i]), adapter_name=f"a{i}")
     hf.eval()
     out = {}
-    for mode in ("eager", "graphs", "graphs, bf16 LoRA weights"):
+    modes = {"eager": "auto", "graphs": "auto", "graphs, fp32 LoRA weights": "float32", "graphs, bf16 LoRA weights": "bfloat16"}
+    for mode, ldt in modes.items():
         llm = LLM(
             str(d), dtype="bfloat16", enable_lora=True, max_loras=4, max_lora_rank=16, num_kv_blocks=128,
-            async_scheduling=ASYNC, lora_dtype="bfloat16" if "bf16" in mode else "auto",
+            async_scheduling=ASYNC, lora_dtype=ldt,
         )
         if mode.startswith("graphs"):
             llm.engine.runner.enable_cuda_graphs(16, llm.engine.max_model_len)
@@ -282,11 +283,13 @@ def main() -> None:
     ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--bf16-loras", action="store_true", help="also run with LoRA weights stored in bf16")
+    ap.add_argument("--lora-dtypes", default="", help="also run (graphs) with these LoRA storage dtypes, e.g. float32,bfloat16")
     ap.add_argument("--json", default=None)
     ap.add_argument("--parity-only", action="store_true")
     ap.add_argument("--no-async", action="store_true", help="async scheduling off (LLM(async_scheduling=False))")
     ap.add_argument("--decode-tiles", default=None, help="JSON {'N,K': tiles} from bench_decode_linear --tiles-out")
     args = ap.parse_args()
+    extra_dtypes = [d for d in args.lora_dtypes.split(",") if d] + (["bfloat16"] if args.bf16_loras else [])
     if args.decode_tiles:
         use_decode_tiles(args.decode_tiles)
     if args.no_async:
@@ -321,9 +324,9 @@ def main() -> None:
             prompts = torch.randint(2, cfg.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
             r = {"ours": bench_ours(mdir, adapters, prompts, args.new_tokens)}
             print(f"{shape} ours: {json.dumps(r['ours'])}  [{time.time() - t0:.0f}s]", flush=True)
-            if args.bf16_loras:  # vLLM's default: adapters stored in the model dtype (PEFT computes in fp32)
-                r["ours_bf16_loras"] = bench_ours(mdir, adapters, prompts, args.new_tokens, "bfloat16", False)
-                print(f"{shape} ours, bf16 LoRA weights: {json.dumps(r['ours_bf16_loras'])}", flush=True)
+            for ldt in extra_dtypes:  # bfloat16: vLLM's default (the model's dtype); float32: PEFT's
+                r[f"ours_{ldt}_loras"] = bench_ours(mdir, adapters, prompts, args.new_tokens, ldt, False)
+                print(f"{shape} ours, {ldt} LoRA weights: {json.dumps(r[f'ours_{ldt}_loras'])}", flush=True)
             if not args.skip_hf:
                 r["hf"] = bench_hf(cfg, adapters, prompts, args.hf_new_tokens)
                 print(f"{shape} hf+peft: {json.dumps(r['hf'])}  [{time.time() - t0:.0f}s]", flush=True)
@@ -344,10 +347,10 @@ def main() -> None:
                 f"| {shape} | loraserve | {mode} | {b['tok_s']:.0f} | {m['tok_s']:.0f} | {b['decode_ms']:.2f} | "
                 f"{m['decode_ms']:.2f} | {m['decode_ms'] / b['decode_ms']:.2f}x |"
             )
-        if "ours_bf16_loras" in r:
-            b, m = r["ours_bf16_loras"]["graphs_base"], r["ours_bf16_loras"]["graphs_mixed"]
+        for ldt in extra_dtypes:
+            b, m = r[f"ours_{ldt}_loras"]["graphs_base"], r[f"ours_{ldt}_loras"]["graphs_mixed"]
             print(
-                f"| {shape} | loraserve | graphs, bf16 LoRA weights | {b['tok_s']:.0f} | {m['tok_s']:.0f} | "
+                f"| {shape} | loraserve | graphs, {ldt} LoRA weights | {b['tok_s']:.0f} | {m['tok_s']:.0f} | "
                 f"{b['decode_ms']:.2f} | {m['decode_ms']:.2f} | {m['decode_ms'] / b['decode_ms']:.2f}x |"
             )
         if "hf" in r:

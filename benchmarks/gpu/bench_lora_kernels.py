@@ -32,6 +32,7 @@ from loraserve.forward_context import AttentionMetadata
 from loraserve.layers.attention import reference_paged_attention
 from loraserve.layers.triton_attention import paged_attention
 from loraserve.lora.ops import torch_ops
+from loraserve.lora.ops.precision import compute_dtype
 from loraserve.lora.ops.triton_ops import TritonLoRAOps
 from loraserve.lora.punica import LoRAMapping
 
@@ -100,9 +101,9 @@ def bench_lora(name, T, S, K, outs, wdtype, rank=16):
         acc = y.float()
         off = 0
         for a, b in zip(As, Bs):
-            buf = torch.zeros(T, rank, dtype=wdtype, device=DEV)
+            buf = torch.zeros(T, rank, dtype=compute_dtype(x.dtype, wdtype), device=DEV)
             torch_ops.lora_shrink(x, a, mapping.token_segments, ranks, buf)
-            torch_ops.lora_expand(acc, buf, b, mapping.token_segments, ranks, off)
+            torch_ops.lora_expand(acc, buf, b, mapping.token_segments, ranks, off, act_dtype=x.dtype)
             off += b.shape[2]
         return acc.to(y.dtype)
 
@@ -288,7 +289,7 @@ def tune_prefill(bw: float, tune_kinds: tuple[str, ...] = ("shrink", "expand")) 
         shrink_mod.PREFILL, expand_mod.PREFILL = default_s, default_e
         ref_buf = shrink_mod.lora_shrink(x, As, meta, ranks, rank).clone()
         ref_y = y.clone()
-        expand_mod.lora_expand(ref_y, ref_buf, Bs, meta, ranks, exact_fp32=False)  # bf16 x, as the engine
+        expand_mod.lora_expand(ref_y, ref_buf, Bs, meta, ranks, act_dtype=torch.bfloat16)  # bf16 x, as the engine
 
         def shrink_run():
             return shrink_mod.lora_shrink(x, As, meta, ranks, rank)
@@ -299,7 +300,7 @@ def tune_prefill(bw: float, tune_kinds: tuple[str, ...] = ("shrink", "expand")) 
         yy = y.clone()
 
         def expand_run():
-            expand_mod.lora_expand(yy, ref_buf, Bs, meta, ranks, exact_fp32=False)
+            expand_mod.lora_expand(yy, ref_buf, Bs, meta, ranks, act_dtype=torch.bfloat16)
 
         def expand_err():
             yy.copy_(y)
@@ -394,7 +395,7 @@ def main() -> None:
     )
     rows, att = [], []
     if not args.layers_only:
-        for wdtype in (torch.bfloat16, torch.float32):
+        for wdtype in (torch.bfloat16, torch.float16, torch.float32):  # fp16: auto's GPU storage, tf32 products
             for case in PREFILL_CASES if args.prefill_only else LORA_CASES:
                 rows.append(bench_lora(*case, wdtype))
         att = [
@@ -405,7 +406,7 @@ def main() -> None:
     layers = (
         []
         if args.prefill_only
-        else [bench_layer(*case, wd) for wd in (torch.float32, torch.bfloat16) for case in LAYER_CASES]
+        else [bench_layer(*case, wd) for wd in (torch.float32, torch.float16, torch.bfloat16) for case in LAYER_CASES]
     )
     print()
     print(

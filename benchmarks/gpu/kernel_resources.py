@@ -37,23 +37,24 @@ SIXTEENS = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", "N0"
 
 def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0, pf_ahead: int = 0):
     """The kernel as decode_linear launches it for 32 tokens with the default tiles (bf16 x and W;
-    8 slots of rank 16 when lora_dtype is "fp32" or "bf16"; ``maxnreg``: a register cap, the launch
+    8 slots of rank 16 when lora_dtype is "fp32", "bf16" or "fp16" (tf32 products); ``maxnreg``: a register cap, the launch
     option, which session 9 timed and dropped; ``pf_ahead``: the B pull's K steps, main() passes the
     default of the dtype, dl.prefetch_ahead)."""
     N = sum(slices)
     tiles = dl.default_tiles(32, N, K, None)
     lora = lora_dtype is not None
-    b = "*bf16" if lora_dtype == "bf16" else "*fp32"
+    b = {"bf16": "*bf16", "fp16": "*fp16"}.get(lora_dtype, "*fp32")
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
             "cnt_ptr": "*i32", "buf_ptr": "*fp32", "b0_ptr": b, "b1_ptr": b, "b2_ptr": b, "slots_ptr": "*i32"}  # fmt: skip
-    wdt = tl.bfloat16 if lora_dtype == "bf16" else tl.float32
+    wdt = {"bf16": tl.bfloat16, "fp16": tl.float16}.get(lora_dtype, tl.float32)
+    cdt = tl.bfloat16 if lora_dtype == "bf16" else tl.float32  # fp16 B with bf16 x: tf32 (precision.py)
     consts = dict(
         R=16, HAS_BIAS=False, HAS_LORA=lora, NUM_SLICES=len(slices) if lora else 1, BLOCK_M=32,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_R=16, SLOTS_PER_CHUNK=max(1, min(8, columns // 16)),
         RED=1, SPLIT_W=tiles.split_k, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
-        CDT=tl.bfloat16, IEEE=False, LORA_WDT=wdt, LORA_CDT=wdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
+        CDT=tl.bfloat16, IEEE=False, LORA_WDT=wdt, LORA_CDT=cdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
         WAIT_FIRST=not lora, PF_AHEAD=pf_ahead if lora else 0, PF_SLOTS=8,
-        PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype == "bf16" else 4) // 128),
+        PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype in ("bf16", "fp16") else 4) // 128),
     )  # fmt: skip
     fn = dl._decode_linear_kernel
     sig, const, attrs = {}, {}, {}
@@ -88,10 +89,10 @@ def main() -> None:
     print("| op | LoRA B | epilogue columns per MMA | register cap | registers | spill bytes | shared KB | programs per SM (regs, smem) | programs | waves |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     configs = [(None, 0, 0), ("fp32", 128, 0), ("fp32", 64, 0), ("fp32", 32, 0), ("fp32", 128, 168),
-               ("bf16", 128, 0), ("bf16", 32, 0), ("bf16", 128, 168)]  # fmt: skip
+               ("bf16", 128, 0), ("bf16", 32, 0), ("bf16", 128, 168), ("fp16", 128, 0)]  # fmt: skip
     for name, K, slices in OPS:
         for lora_dtype, columns, cap in configs:
-            pf = dl.prefetch_ahead(torch.bfloat16 if lora_dtype == "bf16" else torch.float32)
+            pf = dl.prefetch_ahead({"bf16": torch.bfloat16, "fp16": torch.float16}.get(lora_dtype, torch.float32))
             k, tiles = compile_op(K, slices, lora_dtype, columns, cap, pf)
             regs, stack = registers_and_stack(k)
             threads = 32 * tiles.num_warps

@@ -528,7 +528,7 @@ def decode_linear(
         assert lora.token_slots.shape == (M,)
         b1 = lora.lora_b[1] if n_sl > 1 else b0
         b2 = lora.lora_b[2] if n_sl > 2 else b0
-        lcdt = compute_dtype_of(torch.float32 if b0.dtype == torch.float32 else b0.dtype, b0.dtype)
+        lcdt = compute_dtype_of(x.dtype, b0.dtype)
         lora_args = (
             lora.buf, b0, b1, b2, lora.token_slots, b0.shape[0], split,
             sizes[0], sizes[1] if n_sl > 1 else 0,

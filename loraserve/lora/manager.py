@@ -19,6 +19,7 @@ weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,7 +40,7 @@ from loraserve.lora.layers import LORA_LAYER_CLASSES, BaseLayerWithLoRA, LogitsP
 from loraserve.lora.mapping import LoRATarget, find_lora_targets
 from loraserve.lora.mixtures import combine_adapters
 from loraserve.lora.packing import PackedAdapter, pack_adapter
-from loraserve.lora.peft import load_adapter
+from loraserve.lora.peft import load_adapter, store_adapter
 from loraserve.lora.punica import LoRAMapping, PunicaWrapper
 from loraserve.lora.request import LoRAMixture, LoRARequest
 
@@ -55,7 +56,11 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
 class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, hf_config, device: torch.device):
         self.model = model
-        self.config = config
+        model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        # the LoRA weights' storage dtype, resolved once ("auto" by device and model dtype) for the layers'
+        # slots and the host copies alike
+        self.lora_dtype = config.resolved_dtype(device, model_dtype)
+        self.config = dataclasses.replace(config, lora_dtype=self.lora_dtype)
         self.hf_config = hf_config
         self.device = device
         self.max_loras = config.max_loras
@@ -361,16 +366,21 @@ class LoRAManager:
         return len(self._host)
 
     # ---- packing and validation -----------------------------------------------------------------
-    def _load(self, req: LoRARequest):
+    def _load(self, req: LoRARequest, dtype: torch.dtype | None = None):
+        """The adapter of ``req`` with its LoRA pairs in ``dtype`` (the storage dtype if None). A mixture
+        combines its components in fp32 (ties / DARE merge elementwise, which fp16 balancing would change)
+        and is stored after."""
+        dtype = dtype or self.lora_dtype
         if isinstance(req, LoRAMixture):
-            parts = [self._load(r) for r, _ in req.components]
-            return combine_adapters(
+            parts = [self._load(r, torch.float32) for r, _ in req.components]
+            mixed = combine_adapters(
                 req.lora_name, parts, [w for _, w in req.components], req.combination,
                 self.config.max_lora_rank, req.density, req.seed,
             )
+            return store_adapter(mixed, dtype)
         if not req.lora_path and req.lora_int_id in self._registered:  # a component named by id
             req = self._registered[req.lora_int_id]
-        return load_adapter(req.lora_path, req.lora_name, self.config.max_lora_rank, self.config.resolved_dtype())
+        return load_adapter(req.lora_path, req.lora_name, self.config.max_lora_rank, dtype)
 
     def _pack(self, req: LoRARequest) -> PackedAdapter:
         adapter = self._load(req)

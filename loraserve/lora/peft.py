@@ -15,6 +15,7 @@ Follows ../shared/reference/peft_semantics.md:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -29,6 +30,7 @@ from loraserve.lora.errors import (
     LoRARankError,
     LoRAUnsupportedFeatureError,
 )
+from loraserve.lora.ops.precision import to_storage
 
 PREFIX = "base_model.model."
 CONFIG_NAME = "adapter_config.json"
@@ -299,19 +301,53 @@ def _expert_param_lora(
     E = a.shape[0] // r
     a3 = a.float().reshape(E, r, a.shape[1])  # (E, r, in)
     b3 = b.float().reshape(b.shape[0], r, E).permute(2, 0, 1)  # (E, out, r)
+    a3, b3 = _stored(a3, b3 * scaling, dtype, f, param)
     return LoRAModuleWeights(
         module_name=param,
-        lora_a=a3.to(dtype).contiguous(),
-        lora_b=(b3 * scaling).to(dtype).contiguous(),
+        lora_a=a3,
+        lora_b=b3,
         rank=r,
         scaling=scaling,
         num_experts=E,
     )
 
 
+def _stored(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, f, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and scaled B (fp32) in the storage dtype (``precision.to_storage``: fp16 is balanced per rank)."""
+    try:
+        return to_storage(a, b, dtype, f"adapter {f}: module {module!r}")
+    except ValueError as e:
+        raise LoRAFormatError(str(e)) from None
+
+
+def _extras_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of an adapter's tensors beside its LoRA pairs (biases, magnitudes, replacement weights,
+    trainable tokens): fp16 is a storage format for the pairs (balanced), so with it they stay fp32 and
+    are rounded once, where used, to the model's dtype."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def store_adapter(adapter: LoRAAdapter, dtype: torch.dtype) -> LoRAAdapter:
+    """The adapter with its LoRA pairs in ``dtype`` (``precision.to_storage``) and its extras in
+    ``_extras_dtype``: for one combined in fp32 (a mixture)."""
+    modules = {}
+    for name, m in adapter.modules.items():
+        a, b = _stored(m.lora_a, m.lora_b, dtype, adapter.path, name)
+        ex = _extras_dtype(dtype)
+        modules[name] = dataclasses.replace(
+            m, lora_a=a, lora_b=b,
+            magnitude=None if m.magnitude is None else m.magnitude.to(ex),
+            lora_bias=None if m.lora_bias is None else m.lora_bias.to(ex),
+        )  # fmt: skip
+    return dataclasses.replace(adapter, modules=modules)
+
+
 def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
-    """Parse and validate an adapter dir. Raises a LoRAError subclass naming the file, module and fix."""
+    """Parse and validate an adapter dir; the LoRA pairs in ``dtype`` (fp16: balanced per rank,
+    ``precision.balance_to_fp16``), the rest in ``_extras_dtype(dtype)``. Raises a LoRAError subclass
+    naming the file, module and fix."""
     path = Path(path)
+    ex_dtype = _extras_dtype(dtype)
     cfg = read_config(path)
     check_supported(cfg, path)
     _validate_targets(cfg, path / CONFIG_NAME)
@@ -332,14 +368,14 @@ def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype 
         if kind == "base_layer.weight":
             copies[alias] = t
         elif kind == "weight":
-            replacements[alias] = t.float().to(dtype)
+            replacements[alias] = t.float().to(ex_dtype)
         elif kind == "bias":
-            biases[alias] = t.float().to(dtype)
+            biases[alias] = t.float().to(ex_dtype)
         elif kind == "trainable_tokens":
             ids = _trainable_token_ids(cfg, module, wfile)
             if t.dim() != 2 or t.shape[0] != len(ids):
                 raise LoRAFormatError(f"adapter {wfile}: {key} has shape {tuple(t.shape)} for {len(ids)} token ids")
-            tokens[alias] = (ids, t.float().to(dtype))
+            tokens[alias] = (ids, t.float().to(ex_dtype))
         else:
             parts.setdefault(module, {})[kind] = t
 
@@ -387,15 +423,16 @@ def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype 
         scaling = alpha / math.sqrt(r) if rslora else alpha / r
         mod_name = _MODULE_ALIASES.get(module, module)
         # NOTE: fold the scale in fp32, as PEFT computes s * B(Ax) with fp32 adapter weights
+        a_st, b_st = _stored(a.float(), b.float() * scaling, dtype, wfile, module)
         modules[mod_name] = LoRAModuleWeights(
             module_name=mod_name,
-            lora_a=a.float().to(dtype).contiguous(),
-            lora_b=(b.float() * scaling).to(dtype).contiguous(),
+            lora_a=a_st,
+            lora_b=b_st,
             rank=r,
             scaling=scaling,
             is_embedding=is_emb,
-            magnitude=p["magnitude"].float().to(dtype) if "magnitude" in p else None,
-            lora_bias=(p["lora_bias"].float() * scaling).to(dtype) if "lora_bias" in p else None,
+            magnitude=p["magnitude"].float().to(ex_dtype) if "magnitude" in p else None,
+            lora_bias=(p["lora_bias"].float() * scaling).to(ex_dtype) if "lora_bias" in p else None,
         )
     if not (modules or replacements or biases or tokens):
         raise LoRAFormatError(f"adapter {wfile}: holds no LoRA tensors")

@@ -174,7 +174,7 @@ class PunicaWrapper:
         for a, b, n in zip(lora_a_stacked, lora_b_stacked, output_slices):
             buf = torch.zeros(x.shape[0], a.shape[2], dtype=torch.float32, device=x.device)  # (T, R)
             self.ops.lora_shrink(x, a, segs, ranks, buf)
-            self.ops.lora_expand(y, buf, b, segs, ranks, offset)
+            self.ops.lora_expand(y, buf, b, segs, ranks, offset, act_dtype=x.dtype)
             offset += n
 
     def apply_lora_linear(

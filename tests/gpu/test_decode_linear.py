@@ -24,6 +24,7 @@ from loraserve.layers.triton_decode_linear import (  # noqa: E402
     supports,
 )
 from loraserve.lora.ops import torch_ops  # noqa: E402
+from loraserve.lora.ops.precision import compute_dtype  # noqa: E402
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink  # noqa: E402
 from loraserve.lora.ops.triton_ops import TritonLoRAOps  # noqa: E402
 from loraserve.lora.punica import LoRAMapping, SegmentMeta  # noqa: E402
@@ -73,6 +74,9 @@ CASES = [
     # 256, so that with the planes left to the epilogue its sum loops twice, the second time in part
     (9, 512, (128,), 5, 48, torch.float16, torch.float32, DecodeTiles(32, 128, 4, 2)),
     (9, 5120, (64,), 3, 16, torch.float16, torch.float32, DecodeTiles(32, 128, 4, 2)),
+    # fp16 LoRA weights with bf16 x (the GPU's auto storage): tf32 products (precision.py)
+    (32, 512, (512, 128, 128), 8, 16, torch.bfloat16, torch.float16, DecodeTiles(64, 128, 4, 3)),
+    (9, 512, (256, 256), 5, 16, torch.bfloat16, torch.float16, DecodeTiles(64, 128, 4, 3, split_k=4)),
 ]
 
 
@@ -121,9 +125,9 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces, m
     ref = base.float()
     off = 0
     for a, bb in zip(As, Bs):
-        h = torch.zeros(M, R, dtype=wdt, device=DEV)
+        h = torch.zeros(M, R, dtype=compute_dtype(xdt, wdt), device=DEV)
         torch_ops.lora_shrink(x, a, mapping.token_segments, ranks, h)
-        torch_ops.lora_expand(ref, h, bb, mapping.token_segments, ranks, off)
+        torch_ops.lora_expand(ref, h, bb, mapping.token_segments, ranks, off, act_dtype=xdt)
         off += bb.shape[2]
     ref = ref.to(xdt)
     base_rows = [t for t, s in enumerate(slots) if s < 0]

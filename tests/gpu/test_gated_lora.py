@@ -22,6 +22,7 @@ from loraserve.layers.activation import silu_and_mul_torch  # noqa: E402
 from loraserve.layers.triton_decode_linear import decode_linear  # noqa: E402
 from loraserve.layers.triton_elementwise import silu_and_mul  # noqa: E402
 from loraserve.lora.ops import torch_ops  # noqa: E402
+from loraserve.lora.ops.precision import compute_dtype  # noqa: E402
 from loraserve.lora.ops.triton.gated_lora import silu_and_mul_lora  # noqa: E402
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink  # noqa: E402
 from loraserve.lora.punica import LoRAMapping, SegmentMeta  # noqa: E402
@@ -36,6 +37,7 @@ CASES = [
     (1, 128, 128, 2, 16, torch.float16, torch.float32, 128),
     (32, 512, 256, 8, 16, torch.bfloat16, torch.bfloat16, 64),
     (32, 512, 256, 8, 16, torch.bfloat16, torch.float32, 32),
+    (32, 512, 256, 8, 16, torch.bfloat16, torch.float16, 64),  # the GPU's auto storage: tf32 products
 ]
 
 
@@ -68,9 +70,9 @@ def test_silu_and_mul_lora_matches_reference(case, shrink_reduces, monkeypatch):
     ref = F.linear(x.float(), w.float()).to(xdt).float()
     off = 0
     for a, b in zip(As, Bs):
-        h = torch.zeros(M, R, dtype=wdt, device=DEV)
+        h = torch.zeros(M, R, dtype=compute_dtype(xdt, wdt), device=DEV)
         torch_ops.lora_shrink(x, a, mapping.token_segments, ranks, h)
-        torch_ops.lora_expand(ref, h, b, mapping.token_segments, ranks, off)
+        torch_ops.lora_expand(ref, h, b, mapping.token_segments, ranks, off, act_dtype=xdt)
         off += D
     ref = silu_and_mul_torch(ref.to(xdt))
     assert rel_err(out, ref) < 1e-2

@@ -17,6 +17,7 @@ DEV = triton_device()
 
 from loraserve.forward_context import forward_context  # noqa: E402
 from loraserve.lora.ops import torch_ops  # noqa: E402
+from loraserve.lora.ops.precision import compute_dtype  # noqa: E402
 from loraserve.lora.ops.triton import utils as triton_utils  # noqa: E402
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink  # noqa: E402
 from loraserve.lora.ops.triton_ops import TritonLoRAOps  # noqa: E402
@@ -45,14 +46,15 @@ def meta_of(m: LoRAMapping) -> SegmentMeta:
 def reference(y0, x, As, Bs, segments, ranks):
     """fp32 y0 + per-slice delta with torch_ops (the CPU oracle, run on the same device).
 
-    The intermediate is kept in the weights' dtype, as PEFT's lora_A output is (fp32 by default).
+    The intermediate is kept in the products' dtype (``precision.compute_dtype``: the weights', as PEFT's
+    lora_A output is, fp32 by default; fp32 for fp16 weights with bf16 x).
     """
     y = y0.float().clone()
     off = 0
     for a, b in zip(As, Bs):
-        buf = torch.zeros(x.shape[0], a.shape[2], dtype=a.dtype, device=x.device)
+        buf = torch.zeros(x.shape[0], a.shape[2], dtype=compute_dtype(x.dtype, a.dtype), device=x.device)
         torch_ops.lora_shrink(x, a, segments, ranks, buf)
-        torch_ops.lora_expand(y, buf, b, segments, ranks, off)
+        torch_ops.lora_expand(y, buf, b, segments, ranks, off, act_dtype=x.dtype)
         off += b.shape[2]
     return y
 
@@ -71,6 +73,10 @@ CASES = [
     (300, 6, 64, 512, (700, 300), torch.float32, torch.float32, torch.float32),
     (1, 4, 8, 64, (64, 32, 32), torch.bfloat16, torch.float32, torch.bfloat16),
     (1000, 3, 16, 1024, (2048,), torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    # fp16 weights with bf16 x (the GPU's auto storage): tf32 products, s kept in fp32 (precision.py)
+    (16, 8, 16, 4096, (4096, 1024, 1024), torch.bfloat16, torch.float16, torch.bfloat16),
+    (256, 8, 16, 1024, (1024, 256, 256), torch.bfloat16, torch.float16, torch.float32),
+    (200, 8, 32, 14336, (4096,), torch.bfloat16, torch.float16, torch.bfloat16),
 ]
 
 
@@ -87,7 +93,7 @@ def check_add_lora_linear(case, seed, shrink_reduces=True, top_rank=None) -> Seg
     """add_lora_linear on random data (ranks with an empty slot, tokens of no adapter) equals the torch
     reference; returns the mapping's kernel view. ``top_rank``: the largest rank in the batch (R if None)."""
     T, S, R, n_in, outs, xdt, wdt, ydt = case
-    skip_interpreted_bf16(xdt, wdt)
+    skip_interpreted_bf16(compute_dtype(xdt, wdt))  # the dots' dtype: bf16 loads convert fine
     g = torch.Generator().manual_seed(seed)
     top = top_rank or R
     ranks = torch.randint(1, top + 1, (S,), generator=g).tolist()
@@ -304,3 +310,27 @@ def test_prefill_tiles_match_reference(tiles, case, monkeypatch):
     monkeypatch.setattr(shrink_mod, "PREFILL", shrink_mod.PrefillTiles(*tiles[0]))
     monkeypatch.setattr(expand_mod, "PREFILL", expand_mod.PrefillTiles(*tiles[1]))
     assert check_add_lora_linear(case, seed=3).max_seg_len > 32, "the case must take the prefill path"
+
+
+@pytest.mark.parametrize("T", [16, 80], ids=["decode-size", "prefill-size"])
+def test_fp16_weights_take_bf16_x_beyond_fp16_range(T):
+    """bf16 activations past fp16's range (65504) with fp16 LoRA weights (the GPU's auto storage): the
+    products are tf32 (``precision.compute_dtype``), so the delta is finite and equals the fp64 product;
+    fp16 products would cast x to fp16 and make it inf."""
+    g = torch.Generator().manual_seed(7)
+    S, R, K, outs = 3, 16, 256, (128, 64)
+    slots = [t % S for t in range(T)]
+    mapping = LoRAMapping.build(slots, [], DEV)
+    As = tuple((torch.randn(S, 1, R, K, generator=g) * 0.02).to(DEV, torch.float16) for _ in outs)
+    Bs = tuple((torch.randn(S, 1, n, R, generator=g) * 0.02).to(DEV, torch.float16) for n in outs)
+    x = torch.randn(T, K, generator=g)
+    x[::3, 5] = 3e5  # a bf16 value fp16 cannot hold
+    x = x.to(DEV, torch.bfloat16)
+    y = torch.zeros(T, sum(outs), device=DEV)
+    TritonLoRAOps(DEV).add_lora_linear(y, x, As, Bs, [R] * S, meta_of(mapping))
+    sync()
+    st = torch.tensor(slots, device=DEV)
+    ref = torch.cat([torch.einsum("tk,trk,tnr->tn", x.double(), a[st, 0].double(), b[st, 0].double())
+                     for a, b in zip(As, Bs)], dim=1)  # fmt: skip
+    assert torch.isfinite(y).all(), "x was cast to fp16"
+    assert rel_err(y, ref) < 1e-3

@@ -27,6 +27,7 @@ from loraserve.forward_context import current_lora_mapping
 from loraserve.layers.moe import FusedMoE
 from loraserve.lora.errors import LoRAShapeError, LoRAUnsupportedFeatureError
 from loraserve.lora.layers.base import BaseLayerWithLoRA, LoRAPieces
+from loraserve.lora.ops.precision import compute_dtype
 from loraserve.lora.peft import LoRAModuleWeights
 
 # per-expert 2-D module names of each slice: HF v4 / Qwen names first, then Mixtral's
@@ -270,14 +271,14 @@ class _TritonExpertLoRAHook:
         buf = moe_lora_shrink(x, layer.lora_a_stacked[:n13], blocks, self.ranks, token_div=ids.shape[1])
         il = base.intermediate_per_partition
         offsets, stride = ((0, 1), 2) if base.interleaved else (tuple(i * il for i in range(n13)), 1)
-        moe_lora_expand(h, buf, layer.lora_b_stacked[:n13], blocks, self.ranks, offsets, stride, x.dtype == torch.float32)
+        moe_lora_expand(h, buf, layer.lora_b_stacked[:n13], blocks, self.ranks, offsets, stride, x.dtype)
 
     def w2(self, y: torch.Tensor, a: torch.Tensor, ids: torch.Tensor) -> None:
         from loraserve.lora.ops.triton.fused_moe_lora import moe_lora_expand, moe_lora_shrink
 
         layer, blocks = self.layer, self.blocks(ids)
         buf = moe_lora_shrink(a, layer.lora_a_stacked[-1:], blocks, self.ranks, token_div=1)
-        moe_lora_expand(y, buf, layer.lora_b_stacked[-1:], blocks, self.ranks, (0,), 1, a.dtype == torch.float32)
+        moe_lora_expand(y, buf, layer.lora_b_stacked[-1:], blocks, self.ranks, (0,), 1, a.dtype)
 
 
 class _ExpertLoRAHook:
@@ -312,7 +313,8 @@ class _ExpertLoRAHook:
             for i, cols in slices:
                 a = layer.lora_a_stacked[i][s, e, :r]  # (r, in)
                 b = layer.lora_b_stacked[i][s, e, :, :r]  # (out, r)
-                acc[pos : pos + c, cols] += ((xs.to(a.dtype) @ a.t()) @ b.t()).float()
+                cdt = compute_dtype(xs.dtype, a.dtype)  # precision.py: the kernels' products
+                acc[pos : pos + c, cols] += ((xs.to(cdt) @ a.to(cdt).t()).to(cdt) @ b.to(cdt).t()).float()
         return acc.to(out.dtype)
 
     def w13(self, e: int, tok: torch.Tensor, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

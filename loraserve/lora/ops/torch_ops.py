@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from loraserve.lora.ops.precision import compute_dtype
+
 Segments = list[tuple[int, torch.Tensor]]
 
 
@@ -22,7 +24,8 @@ def lora_shrink(
         if r == 0:
             continue
         a = lora_a[slot, 0, :r]  # (r, in)
-        out[idx, :r] = (x[idx].to(a.dtype) @ a.t()).to(out.dtype)
+        cdt = compute_dtype(x.dtype, a.dtype)
+        out[idx, :r] = (x[idx].to(cdt) @ a.to(cdt).t()).to(out.dtype)
 
 
 def lora_expand(
@@ -32,15 +35,18 @@ def lora_expand(
     segments: Segments,
     ranks: list[int],
     offset: int = 0,
+    act_dtype: torch.dtype = torch.float32,
 ) -> None:
-    """y[t, offset:offset+out] += buf[t, :r] @ B[slot(t), :, :r]^T. y fp32 (T, N), buf (T, R)."""
+    """y[t, offset:offset+out] += buf[t, :r] @ B[slot(t), :, :r]^T. y fp32 (T, N), buf (T, R). The product runs
+    in ``compute_dtype(act_dtype, B's dtype)``, act_dtype being the layer's input dtype (x of the shrink)."""
     n = lora_b.shape[2]
     for slot, idx in segments:
         r = ranks[slot]
         if r == 0:
             continue
         b = lora_b[slot, 0, :, :r]  # (out, r)
-        y[idx, offset : offset + n] += (buf[idx, :r].to(b.dtype) @ b.t()).to(y.dtype)
+        cdt = compute_dtype(act_dtype, b.dtype)
+        y[idx, offset : offset + n] += (buf[idx, :r].to(cdt) @ b.to(cdt).t()).to(y.dtype)
 
 
 def lora_embedding(

@@ -71,7 +71,7 @@ class TritonLoRAOps:
         if max_rank == 0:
             return
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces)
-        lora_expand(y, buf, lora_b_stacked, meta, rank_dev, exact_fp32=x.dtype == torch.float32)
+        lora_expand(y, buf, lora_b_stacked, meta, rank_dev, act_dtype=x.dtype)
 
     def linear_with_lora(
         self,

@@ -11,8 +11,9 @@ adapters: 36.4 vs 23.8 µs of LoRA cost per layer in ``--matrix``; the 8-adapter
 and was removed (commit bfb8465 has it): the extra launch and its wait cost more than the epilogue's
 loads of B.
 
-Numerics: s is rounded to B's dtype (the reference's intermediate is), multiplied in LORA_CDT (tf32
-for fp32 B with half activations, true fp32 with LORA_IEEE), accumulated in fp32.
+Numerics: s is rounded to the products' dtype LORA_CDT (``precision.compute_dtype``: B's, or fp32 for
+fp32 B and for fp16 B with bf16 activations; the reference's intermediate is the same), multiplied in
+it (tf32 for fp32 with half activations, true fp32 with LORA_IEEE), accumulated in fp32.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def slot_columns(h_base, stride_bm, stride_bsp, slot, m_mask, chunk, n_planes, R
 @triton.jit
 def expand_chunk(delta, b, sx, LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr, LORA_IEEE: tl.constexpr):
     """delta (BLOCK_N, BLOCK_M) += B_chunk sx^T, sx (BLOCK_M, C) from ``slot_columns``."""
-    sx = sx.to(LORA_WDT).to(LORA_CDT)  # rounded to B's dtype, as the reference's intermediate is
+    sx = sx.to(LORA_CDT)  # in the products' dtype, as the reference's intermediate is (precision.py)
     delta += dot_in(b, tl.trans(sx), LORA_CDT, LORA_IEEE)
     return delta
 

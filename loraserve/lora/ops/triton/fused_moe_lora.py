@@ -10,8 +10,8 @@ g = slot * E + expert (``moe_align``), so each program owns up to BLOCK_M rows o
   j * col_stride: contiguous [gate; up] halves, or the interleaved columns of a GPT-OSS w13.
 
 Work follows each slot's own rank: columns r >= rank[slot] are masked, so their bytes are never
-read. Products run in the LoRA weights' dtype with fp32 accumulation (tf32 for fp32 weights with
-half-precision activations; see ``utils.compute_dtype_of``).
+read. Products run in ``utils.compute_dtype_of``'s dtype with fp32 accumulation (the weights', or tf32
+for fp32 weights, and for fp16 weights with bf16 activations).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def moe_lora_expand(
     ranks: torch.Tensor,
     col_offsets: tuple[int, ...],
     col_stride: int,
-    exact_fp32: bool,
+    act_dtype: torch.dtype,
 ) -> None:
     """y (n, *) += per slice buf[:, sl] @ B_sl[slot, e]^T at columns col_offsets[sl] + j * col_stride
     (j < N, lora_b[sl] (S, E, N, R)), for the rows of the blocks; fp32 sum, one rounding."""
@@ -219,7 +219,7 @@ def moe_lora_expand(
     if n == 0:
         return
     block_n = 64
-    cdt = torch.float32 if b0.dtype == torch.float32 else b0.dtype
+    cdt = compute_dtype_of(act_dtype, b0.dtype)
     grid = (blocks.num_blocks, n_slices * triton.cdiv(N, block_n))
     _moe_lora_expand_kernel[grid](
         buf, b0, lora_b[-1], y, blocks.sorted_ids, blocks.block_group, ranks, n, E, N,
@@ -227,6 +227,6 @@ def moe_lora_expand(
         buf.stride(0), buf.stride(1), b0.stride(0), b0.stride(1), b0.stride(2), b0.stride(3),
         y.stride(0), y.stride(1),
         NUM_SLICES=n_slices, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_R=buf.shape[2],
-        CDT=tl_dtype(cdt), IEEE=exact_fp32 and cdt == torch.float32,
+        CDT=tl_dtype(cdt), IEEE=act_dtype == torch.float32 and cdt == torch.float32,
         num_warps=4,
     )  # fmt: skip

@@ -160,7 +160,7 @@ def silu_and_mul_lora(
     # B is read unmasked along its columns (lora_b_chunk): a partial block would read past D
     assert D % block_n == 0, f"D={D} (each half of y) must be a multiple of block_n={block_n}: give a smaller block_n"
     block_r = max(16, triton.next_power_of_2(R))
-    lcdt = compute_dtype_of(torch.float32 if bg.dtype == torch.float32 else bg.dtype, bg.dtype)
+    lcdt = compute_dtype_of(y.dtype, bg.dtype)
     out = torch.empty(M, D, dtype=y.dtype, device=y.device)
     chain = pdl_chain(y.device)
     _silu_and_mul_lora_kernel[(triton.cdiv(D, block_n),)](

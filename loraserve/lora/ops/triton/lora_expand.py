@@ -133,7 +133,7 @@ def _lora_expand_kernel(
     # (BLOCK_M, BLOCK_R): the shrink's partials, summed in fp32, then rounded to B's dtype
     h_ptrs = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
     h_mask = m_mask[:, None] & r_mask[None, :]
-    h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False).to(WDT).to(CDT)
+    h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False).to(CDT)  # s in the products' dtype (precision.py)
 
     delta = dot_in(h, w, CDT, IEEE)
     y_ptrs = y_ptr + tok[:, None] * stride_ym + (col0 + offs_n)[None, :] * stride_yn
@@ -168,14 +168,15 @@ def lora_expand(
     meta: SegmentMeta,
     ranks: torch.Tensor,
     offset: int = 0,
-    exact_fp32: bool = True,
+    act_dtype: torch.dtype = torch.float32,
 ) -> None:
     """y (T, N) += per-slice B_i(buf_i) at columns offset + sum(N_<i); buf from ``lora_shrink``.
 
     B's columns at r >= a slot's rank must be finite (they multiply zeros; the layers keep them 0).
 
-    ``exact_fp32``: with fp32 B, multiply in true fp32 (fp32 models); False (half-precision models)
-    lets the tensor cores take tf32 products, still accumulated in fp32 (see utils.compute_dtype_of).
+    ``act_dtype``: the layer's activation dtype (the x of the shrink), which with B's dtype picks the
+    products' (``utils.compute_dtype_of``): fp32 B multiplies in true fp32 for fp32 activations and in tf32
+    for half-precision ones; fp16 B with bf16 activations in tf32; B of the activations' dtype in it.
     """
     n = len(lora_b)
     assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
@@ -208,7 +209,7 @@ def lora_expand(
     launch = dict(num_warps=PREFILL.num_warps) if prefill else dict(num_warps=4)
     block_r = max(16, triton.next_power_of_2(R))
     tiles = [triton.cdiv(s, block_n) for s in sizes]
-    cdt = compute_dtype_of(buf.dtype if b0.dtype == torch.float32 else b0.dtype, b0.dtype)
+    cdt = compute_dtype_of(act_dtype, b0.dtype)
     b1 = lora_b[1] if n > 1 else b0
     b2 = lora_b[2] if n > 2 else b0
     grid = (sum(tiles), triton.cdiv(longest, block_m), meta.num_segs)
@@ -220,6 +221,6 @@ def lora_expand(
         b0.stride(0), b1.stride(0), b2.stride(0), R, 1,
         y.stride(0), y.stride(1), split, R,
         NUM_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16),
-        WDT=tl_dtype(b0.dtype), CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and exact_fp32,
+        WDT=tl_dtype(b0.dtype), CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and act_dtype == torch.float32,
         USE_PDL=pdl, launch_pdl=pdl, **launch,
     )  # fmt: skip

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraserve.lora.ops import precision
+
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -77,19 +79,19 @@ def _pdl_on(index: int) -> bool:
     return os.environ.get("LORASERVE_PDL", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def compute_dtype_of(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the product runs in, as the torch reference does it: x is cast to the weight's dtype.
+def compute_dtype_of(act_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a LoRA product runs in (``precision.compute_dtype``, the torch reference's rule): the
+    activations cast to the weights' dtype, fp32 for fp32 weights or mixed half precisions.
 
-    NOTE: fp32 weights (the default: PEFT upcasts adapters) with fp32 activations multiply in true
-    fp32 (no tf32), as the reference's fp32 matmul does. With bf16/fp16 activations the products are
-    tf32 on the tensor cores (exact for the activations, 10-bit mantissa for the weights; ~5e-4
-    relative on the delta, far under the bf16 rounding of the layer output it is added to), always
-    accumulated in fp32: the true-fp32 path measured 2.4x slower at decode sizes on the H200.
-    Half-precision weights use the tensor cores in their own dtype, fp32 accumulation.
+    NOTE: fp32 products with fp32 activations are true fp32 (IEEE: no tf32), as the reference's fp32
+    matmul. With bf16/fp16 activations they are tf32 on the tensor cores (exact for the activations,
+    10-bit mantissa for the weights, which is what fp16 storage holds; ~5e-4 relative on the delta, far
+    under the bf16 rounding of the layer output it is added to), always accumulated in fp32: the
+    true-fp32 path measured 2.4x slower at decode sizes on the H200.
     """
-    tl_dtype(x_dtype)
+    tl_dtype(act_dtype)
     tl_dtype(w_dtype)
-    return w_dtype
+    return precision.compute_dtype(act_dtype, w_dtype)
 
 
 @triton.jit
