@@ -46,13 +46,12 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
     b = {"bf16": "*bf16", "fp16": "*fp16"}.get(lora_dtype, "*fp32")
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
             "cnt_ptr": "*i32", "buf_ptr": "*fp32", "b0_ptr": b, "b1_ptr": b, "b2_ptr": b, "slots_ptr": "*i32"}  # fmt: skip
-    wdt = {"bf16": tl.bfloat16, "fp16": tl.float16}.get(lora_dtype, tl.float32)
     cdt = tl.bfloat16 if lora_dtype == "bf16" else tl.float32  # fp16 B with bf16 x: tf32 (precision.py)
     consts = dict(
         R=16, HAS_BIAS=False, HAS_LORA=lora, NUM_SLICES=len(slices) if lora else 1, BLOCK_M=32,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_R=16, SLOTS_PER_CHUNK=max(1, min(8, columns // 16)),
         RED=1, SPLIT_W=tiles.split_k, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
-        CDT=tl.bfloat16, IEEE=False, LORA_WDT=wdt, LORA_CDT=cdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
+        CDT=tl.bfloat16, IEEE=False, LORA_CDT=cdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
         WAIT_FIRST=not lora, PF_AHEAD=pf_ahead if lora else 0, PF_SLOTS=8,
         PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype in ("bf16", "fp16") else 4) // 128),
     )  # fmt: skip

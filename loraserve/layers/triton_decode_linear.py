@@ -280,7 +280,6 @@ def _epilogue(
     BLOCK_R: tl.constexpr,
     SLOTS_PER_CHUNK: tl.constexpr,
     RED: tl.constexpr,
-    LORA_WDT: tl.constexpr,
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -301,7 +300,7 @@ def _epilogue(
         delta = block_delta(
             pid_n, M, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, S, SPLIT_K, N0, N1,
             stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-            R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+            R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED, LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
         y = (y.to(tl.float32) + delta).to(out_dt)
 
@@ -373,7 +372,6 @@ def _decode_linear_kernel(
     EVEN_N: tl.constexpr,
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
-    LORA_WDT: tl.constexpr,
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -427,7 +425,7 @@ def _decode_linear_kernel(
             acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
             S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
             R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-            LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+            LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
     else:
         # Serial split-K: every split writes its partial to its own plane; the last of a column block to
@@ -449,7 +447,7 @@ def _decode_linear_kernel(
                 total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
                 S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
                 R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-                LORA_WDT, LORA_CDT, LORA_IEEE, USE_PDL,
+                LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
     if USE_PDL:
         if not HAS_LORA:
@@ -507,7 +505,7 @@ def decode_linear(
     cdt = compute_dtype_of(x.dtype, weight.dtype)
     lora_args: tuple = (x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     lora_consts = dict(
-        R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_WDT=tl.float32, LORA_CDT=tl.float32, LORA_IEEE=False
+        R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_CDT=tl.float32, LORA_IEEE=False
     )
     assert not (after_shrink and lora is not None), "after_shrink is for a GEMM without the epilogue"
     pdl = after_shrink and use_pdl(x.device)
@@ -538,7 +536,7 @@ def decode_linear(
         block_r = max(16, triton.next_power_of_2(R))
         per_chunk = slots_per_chunk(b0.shape[0], block_r)
         lora_consts = dict(
-            R=R, NUM_SLICES=n_sl, BLOCK_R=block_r, SLOTS_PER_CHUNK=per_chunk, RED=min(triton.next_power_of_2(split), 16), LORA_WDT=tl_dtype(b0.dtype),
+            R=R, NUM_SLICES=n_sl, BLOCK_R=block_r, SLOTS_PER_CHUNK=per_chunk, RED=min(triton.next_power_of_2(split), 16),
             LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and x.dtype == torch.float32,
         )  # fmt: skip
         pdl = lora.pdl

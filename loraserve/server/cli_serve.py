@@ -11,7 +11,7 @@ import argparse
 import logging
 from pathlib import Path
 
-LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --lora-dtype (generate, chat, serve); auto = float32
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --lora-dtype (generate, chat, serve); LoRAConfig.resolved_dtype
 
 DEMO_ADAPTERS = Path(__file__).resolve().parents[1] / "demo_adapters"
 
@@ -25,7 +25,8 @@ def add_lora_capacity_args(g) -> None:
         "--lora-dtype",
         default="auto",
         choices=LORA_DTYPES,
-        help="auto (float32, PEFT's numbers) | bfloat16 | float16 (adapters in that dtype: faster on the GPU)",
+        help="auto (PEFT's numbers: float32, or on the GPU for bf16 models float16 balanced per rank, which keeps "
+        "the bits the GPU's tf32 products use) | float32 | bfloat16 (vLLM's default, fastest) | float16",
     )
     g.add_argument(
         "--max-cpu-loras", type=int, default=None, help="host adapter cache (default: max(max_loras, 32))"

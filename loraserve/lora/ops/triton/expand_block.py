@@ -101,7 +101,7 @@ def slot_columns(h_base, stride_bm, stride_bsp, slot, m_mask, chunk, n_planes, R
 
 
 @triton.jit
-def expand_chunk(delta, b, sx, LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr, LORA_IEEE: tl.constexpr):
+def expand_chunk(delta, b, sx, LORA_CDT: tl.constexpr, LORA_IEEE: tl.constexpr):
     """delta (BLOCK_N, BLOCK_M) += B_chunk sx^T, sx (BLOCK_M, C) from ``slot_columns``."""
     sx = sx.to(LORA_CDT)  # in the products' dtype, as the reference's intermediate is (precision.py)
     delta += dot_in(b, tl.trans(sx), LORA_CDT, LORA_IEEE)
@@ -114,7 +114,7 @@ def block_delta(
     stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
     R: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, SLOTS_PER_CHUNK: tl.constexpr, RED: tl.constexpr,
-    LORA_WDT: tl.constexpr, LORA_CDT: tl.constexpr, LORA_IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+    LORA_CDT: tl.constexpr, LORA_IEEE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """delta (BLOCK_N, BLOCK_M) fp32 of column block pid_n for tokens 0..M-1 (zero for tokens of no slot).
 
@@ -145,7 +145,7 @@ def block_delta(
     for chunk in tl.range(0, S, SLOTS_PER_CHUNK, num_stages=1):
         sx = slot_columns(h_base, stride_bm, stride_bsp, slot, m_mask, chunk, SPLIT_K, R, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, RED)
         b = lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
-        delta = expand_chunk(delta, b, sx, LORA_WDT, LORA_CDT, LORA_IEEE)
+        delta = expand_chunk(delta, b, sx, LORA_CDT, LORA_IEEE)
     return delta
 
 

@@ -61,7 +61,6 @@ def _silu_and_mul_lora_kernel(
     BLOCK_R: tl.constexpr,
     SLOTS_PER_CHUNK: tl.constexpr,
     RED: tl.constexpr,
-    LORA_WDT: tl.constexpr,
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain: B and the slots before the wait, y and buf after
@@ -87,8 +86,8 @@ def _silu_and_mul_lora_kernel(
         sg = slot_columns(buf_ptr, stride_bm, stride_bsp, slot, m_mask, chunk, SPLIT_K, R, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, RED)
         su = slot_columns(buf_ptr + stride_bi, stride_bm, stride_bsp, slot, m_mask, chunk, SPLIT_K, R, BLOCK_M, BLOCK_R,
                           SLOTS_PER_CHUNK, RED)  # fmt: skip
-        dg = expand_chunk(dg, bg, sg, LORA_WDT, LORA_CDT, LORA_IEEE)
-        du = expand_chunk(du, bu, su, LORA_WDT, LORA_CDT, LORA_IEEE)
+        dg = expand_chunk(dg, bg, sg, LORA_CDT, LORA_IEEE)
+        du = expand_chunk(du, bu, su, LORA_CDT, LORA_IEEE)
     if PDL_CHAIN:  # (S >= 1, so the loop has waited: a safety for S == 0; a met wait returns at once)
         tl.extra.cuda.gdc_wait()
     mask = n_mask[:, None] & m_mask[None, :]
@@ -169,7 +168,7 @@ def silu_and_mul_lora(
         bg.stride(0), bu.stride(0),
         R=R, BLOCK_M=16 if M <= 16 else 32, BLOCK_N=block_n, BLOCK_R=block_r,
         SLOTS_PER_CHUNK=slots_per_chunk(bg.shape[0], block_r), RED=min(triton.next_power_of_2(P), 16),
-        LORA_WDT=tl_dtype(bg.dtype), LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and y.dtype == torch.float32,
+        LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and y.dtype == torch.float32,
         PDL_CHAIN=chain, num_warps=num_warps, launch_pdl=chain,
     )  # fmt: skip
     return out

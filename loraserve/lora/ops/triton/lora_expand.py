@@ -60,7 +60,6 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     RED: tl.constexpr,  # planes of buf loaded at once
-    WDT: tl.constexpr,
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -221,6 +220,6 @@ def lora_expand(
         b0.stride(0), b1.stride(0), b2.stride(0), R, 1,
         y.stride(0), y.stride(1), split, R,
         NUM_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16),
-        WDT=tl_dtype(b0.dtype), CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and act_dtype == torch.float32,
+        CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and act_dtype == torch.float32,
         USE_PDL=pdl, launch_pdl=pdl, **launch,
     )  # fmt: skip
