@@ -37,10 +37,8 @@ import triton.language as tl
 
 from loraserve.lora.ops.triton.utils import (
     compute_dtype_of,
-    dot_bf16_split,
     dot_in,
     persistent_buffer,
-    split_fp16_weights,
     sum_planes,
     tl_dtype,
     use_pdl,
@@ -59,16 +57,6 @@ def _out_mask(m_mask, offs_r, R, EVEN_R: tl.constexpr):
     else:
         r_ok = offs_r < R
     return m_mask[:, None] & r_ok[None, :]
-
-
-@triton.jit
-def _dot(xt, a, CDT: tl.constexpr, IEEE: tl.constexpr, SPLIT_BF16: tl.constexpr):
-    """xt @ a in CDT (``dot_in``), or with SPLIT_BF16 (bf16 x, fp16 A) as two bf16 MMAs with the same products."""
-    if SPLIT_BF16:
-        out = dot_bf16_split(xt, a)
-    else:
-        out = dot_in(xt, a, CDT, IEEE)
-    return out
 
 
 @triton.jit
@@ -91,7 +79,7 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
                        stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm,
                        R, NUM_SLICES: tl.constexpr, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, CDT: tl.constexpr,
-                       IEEE: tl.constexpr, SPLIT_BF16: tl.constexpr, USE_PDL: tl.constexpr, EVEN_R: tl.constexpr, slot, seg, seg_start,
+                       IEEE: tl.constexpr, USE_PDL: tl.constexpr, EVEN_R: tl.constexpr, slot, seg, seg_start,
                        seg_len, rank, rblock, split, pid_m):  # fmt: skip
     """FUSE_SLICES (prefill, and decode with half-precision A): one program computes the tile (BLOCK_M tokens, BLOCK_R ranks, its K split) of
     every slice, each tile of x loaded once for all of them; then the same stores and split sum as a
@@ -118,11 +106,11 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
         xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         a_mask = k_mask[:, None] & r_mask[None, :]
         a_k = a_off + kk[:, None] * stride_ak
-        acc0 += _dot(xt, tl.load(a0_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE, SPLIT_BF16)
+        acc0 += dot_in(xt, tl.load(a0_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
         if NUM_SLICES > 1:
-            acc1 += _dot(xt, tl.load(a1_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE, SPLIT_BF16)
+            acc1 += dot_in(xt, tl.load(a1_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
         if NUM_SLICES > 2:
-            acc2 += _dot(xt, tl.load(a2_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE, SPLIT_BF16)
+            acc2 += dot_in(xt, tl.load(a2_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
     out = buf_ptr + tok[:, None] * stride_bm + offs_r[None, :]  # slice 0, plane 0
     out_mask = _out_mask(m_mask, offs_r, R, EVEN_R)
     tl.store(out + split * stride_bsp, acc0, mask=out_mask)
@@ -146,7 +134,7 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
                       stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
                       NUM_SLICES: tl.constexpr, NUM_RBLOCKS, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                      CDT: tl.constexpr, IEEE: tl.constexpr, SPLIT_BF16: tl.constexpr, USE_PDL: tl.constexpr, EVEN_R: tl.constexpr, slot, seg,
+                      CDT: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr, EVEN_R: tl.constexpr, slot, seg,
                       seg_start, seg_len, rank, rblock, split, sl, pid_m):  # fmt: skip
     """A program that owns one slice of its tile (decode with fp32 A, and prefill of one-slice layers)."""
     r0 = rblock * BLOCK_R
@@ -178,7 +166,7 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()  # the expand may launch now; it waits for us before reading buf
         xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _dot(xt, at, CDT, IEEE, SPLIT_BF16)
+        acc = dot_in(xt, at, CDT, IEEE)
     else:
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
@@ -189,7 +177,7 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
             k_mask = kk < K
             xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-            acc += _dot(xt, at, CDT, IEEE, SPLIT_BF16)
+            acc += dot_in(xt, at, CDT, IEEE)
     out = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]  # plane 0
     out_mask = _out_mask(m_mask, offs_r, R, EVEN_R)  # zeros past the rank (A masked there)
     tl.store(out + split * stride_bsp, acc, mask=out_mask)
@@ -244,10 +232,6 @@ def _lora_shrink_kernel(
     FUSE_SLICES: tl.constexpr,  # a program computes every slice of its tile (x read once), not one
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
-    # bf16 x, fp16 A at prefill: two bf16 MMAs (utils.dot_bf16_split), the products of CDT's tf32. Not at
-    # decode: compiled for sm_90, the fused decode program's three A tiles split in registers need 255
-    # registers and spill (216 bytes); tf32 there needs 124
-    SPLIT_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVEN_R: tl.constexpr,  # R % BLOCK_R == 0: every rank column of the grid exists (_out_mask)
 ):
@@ -281,12 +265,12 @@ def _lora_shrink_kernel(
         _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split,
                            stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi,
                            stride_bm, R, NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, CDT,
-                           IEEE, SPLIT_BF16, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
+                           IEEE, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
     else:
         _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split, stride_xm,
                           stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
                           NUM_SLICES, NUM_RBLOCKS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, ONE_CHUNK, CDT,
-                          IEEE, SPLIT_BF16, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m)  # fmt: skip
+                          IEEE, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m)  # fmt: skip
 
 
 # Tuning knobs (module attributes, so that benchmarks/gpu/bench_decode_linear.py --matrix can sweep them):
@@ -462,6 +446,6 @@ def lora_shrink(
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
         ZERO_FILL=zero_fill, FUSE_SLICES=fuse,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
-        SPLIT_BF16=prefill and split_fp16_weights(x.dtype, a0.dtype), USE_PDL=pdl, EVEN_R=R % block_r == 0, launch_pdl=pdl, **launch,
+        USE_PDL=pdl, EVEN_R=R % block_r == 0, launch_pdl=pdl, **launch,
     )  # fmt: skip
     return buf[:1] if reduce else buf

@@ -106,27 +106,6 @@ def dot_in(a, b, CDT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def dot_bf16_split(x, w):
-    """x (bf16) @ w (fp16) as two bf16 MMAs: w = hi + lo exactly (hi = w rounded to bf16's 8 bits, lo = the
-    rest, at most 3 more bits, which bf16 holds), so x @ hi + x @ lo has the exact products tf32 would take
-    (x converted to fp32 and w to tf32 are exact too), accumulated in fp32; but x stays bf16 in shared
-    memory and the MMAs run at bf16's rate (``split_fp16_weights``)."""
-    hi = w.to(tl.bfloat16)
-    lo = (w.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)
-    return tl.dot(x, lo, tl.dot(x, hi))
-
-
-# the knob of split_fp16_weights (a module attribute, so that --matrix can time the tf32 products instead)
-SPLIT_FP16_WEIGHTS = os.environ.get("LORASERVE_SPLIT_FP16", "1") != "0"
-
-
-def split_fp16_weights(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
-    """Whether a shrink multiplies bf16 x by fp16 weights with ``dot_bf16_split`` instead of tf32 (the same
-    products). Not under the interpreter, whose bf16 dots are wrong; LORASERVE_SPLIT_FP16=0 turns it off."""
-    return SPLIT_FP16_WEIGHTS and x_dtype == torch.bfloat16 and w_dtype == torch.float16 and not interpreted()
-
-
-@triton.jit
 def sum_planes(ptrs, mask, n_planes, plane_stride, RED: tl.constexpr, PAST_L1: tl.constexpr):
     """The sum over p < n_planes of the (masked) tiles at ptrs + p * plane_stride, in fp32, in plane order.
 
