@@ -241,7 +241,8 @@ def bench_attention(name, q_lens, ctx_lens, heads=32, kv_heads=8, head_dim=128):
 PREFILL_CASES = [c for c in LORA_CASES if c[1] > 256]  # the 4096-token (prefill) shapes
 
 
-def tune_prefill(bw: float, tune_kinds: tuple[str, ...] = ("shrink", "expand")) -> dict:
+def tune_prefill(bw: float, tune_kinds: tuple[str, ...] = ("shrink", "expand"), grid: str = "default",
+                 dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> dict:
     """Sweeps the shrink's and the expand's prefill tiles (``lora_shrink.PREFILL``,
     ``lora_expand.PREFILL``) at 4096 tokens, each kernel timed alone (graph replay, L2 flushed), checked
     against the default tiles' result; prints the fastest per case and the tiles with the least time
@@ -269,6 +270,12 @@ def tune_prefill(bw: float, tune_kinds: tuple[str, ...] = ("shrink", "expand")) 
         expand_mod.PrefillTiles(block_m=bm, block_n=bn, num_warps=w)
         for bm, bn, w in itertools.product((32, 64, 128), (128, 256), (4, 8))
     ]
+    if grid == "wide-k":  # session 14: longer K steps (256 or 512 contiguous bytes of each row of x a step)
+        shrink_grid = [
+            shrink_mod.PrefillTiles(block_m=bm, block_k=bk, programs=p, num_warps=w, num_stages=st, fuse_slices=True)
+            for (bm, w), bk, p, st in itertools.product(((32, 4), (64, 4), (64, 8)), (128, 256), (256, 512), (2, 3, 4))
+            if bm * bk * st <= 64 * 128 * 4 and bk * bm >= 64 * 128 // 2
+        ]
     shrink_grid = [default_s] + [t for t in shrink_grid if t != default_s]  # the baseline is always timed
     expand_grid = [default_e] + [t for t in expand_grid if t != default_e]
 
@@ -347,7 +354,7 @@ def tune_prefill(bw: float, tune_kinds: tuple[str, ...] = ("shrink", "expand")) 
         return best
 
     picks = {}
-    for wdtype in (torch.bfloat16, torch.float32):
+    for wdtype in dtypes:
         for name, T, S, K, outs in PREFILL_CASES:
             picks[(name, str(wdtype))] = tune_case(wdtype, name, T, S, K, outs)
     # one pick per kernel for every case: the tiles with the least summed time over the cases
@@ -378,6 +385,8 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--prefill-only", action="store_true", help="only the 4096-token rows of the table")
     ap.add_argument("--tune-kinds", default="shrink,expand", help="which kernels --tune-prefill sweeps")
+    ap.add_argument("--tune-grid", default="default", choices=("default", "wide-k"), help="the shrink's candidates")
+    ap.add_argument("--tune-dtypes", default="bfloat16,float32", help="LoRA weight dtypes --tune-prefill sweeps")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
@@ -389,7 +398,8 @@ def main() -> None:
             "| op | tokens | LoRA dtype | kernel | tiles | µs | % copy BW | default tiles | rel err vs default |"
         )
         print("|---|---|---|---|---|---|---|---|---|")
-        tuned = tune_prefill(bw, tuple(args.tune_kinds.split(",")))
+        tuned = tune_prefill(bw, tuple(args.tune_kinds.split(",")), args.tune_grid,
+                             tuple(getattr(torch, d) for d in args.tune_dtypes.split(",")))
     print(
         f"correctness guard (qkv, 64 tokens, bf16 x, fp32 weights): rel err of the delta {check_lora_once():.1e}"
     )

@@ -28,6 +28,8 @@
 #   bash benchmarks/gpu/run_device.sh evenr     # every GPU test, the 4096-token LoRA rows, --matrix rows default and bf16 LoRA
 #   bash benchmarks/gpu/run_device.sh fp16      # every GPU test, --matrix rows for fp32 / bf16 / fp16 LoRA weights (fp16: tf32 or
 #                                               fp16 products, half or fp32 knobs), the 4096-token LoRA rows
+#   bash benchmarks/gpu/run_device.sh split     # the LoRA kernel tests, the 4096-token rows, the shrink's wide-K tile sweep (bf16, fp16;
+#                                               session 14 ran it with the split fp16 MMAs, since removed)
 #   bash benchmarks/gpu/run_device.sh e2e-dtypes  # bench_e2e Llama-8B without HF: auto (fp16 LoRA weights), float32, bfloat16
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
@@ -152,6 +154,11 @@ for stage in "$@"; do
             timeout 220 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
             timeout 200 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "${MATRIX_ROWS:-default;bf16 LoRA;fp16 LoRA;fp16 LoRA, fp16 products;fp16 LoRA, fp32 knobs}" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---" | tee "$OUT/matrix.txt" | tail -30
             timeout 150 python3 benchmarks/gpu/bench_lora_kernels.py --prefill-only 2>&1 | grep "^| qkv\|^| gate_up\|copy" | tee "$OUT/prefill.txt"
+            ;;
+        split)
+            timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_triton_lora.py 2>&1 | tail -3 | tee "$OUT/lora_tests.txt"
+            timeout 100 python3 benchmarks/gpu/bench_lora_kernels.py --prefill-only 2>&1 | grep "^| qkv\|^| gate_up\|copy" | tee "$OUT/prefill.txt"
+            timeout 330 python3 benchmarks/gpu/bench_lora_kernels.py --tune-prefill --tune-kinds shrink --tune-grid wide-k --tune-dtypes bfloat16,float16 --prefill-only 2>&1 | grep -v "^|---" | tee "$OUT/shrink_wide_k.txt" | grep -v "skipped"
             ;;
         e2e-dtypes)
             timeout 400 python3 benchmarks/gpu/bench_e2e.py --shapes "${E2E_SHAPES:-llama-3.1-8b}" --skip-hf --lora-dtypes float32,bfloat16 --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A9 "^| model\|parity max\|greedy ids\|replay"

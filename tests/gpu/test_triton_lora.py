@@ -77,6 +77,7 @@ CASES = [
     (16, 8, 16, 4096, (4096, 1024, 1024), torch.bfloat16, torch.float16, torch.bfloat16),
     (256, 8, 16, 1024, (1024, 256, 256), torch.bfloat16, torch.float16, torch.float32),
     (200, 8, 32, 14336, (4096,), torch.bfloat16, torch.float16, torch.bfloat16),
+    (1000, 3, 16, 1024, (2048, 256), torch.bfloat16, torch.float16, torch.bfloat16),  # prefill sizes
 ]
 
 
@@ -312,7 +313,7 @@ def test_prefill_tiles_match_reference(tiles, case, monkeypatch):
     assert check_add_lora_linear(case, seed=3).max_seg_len > 32, "the case must take the prefill path"
 
 
-@pytest.mark.parametrize("T", [16, 80], ids=["decode-size", "prefill-size"])
+@pytest.mark.parametrize("T", [16, 200], ids=["decode-size", "prefill-size"])
 def test_fp16_weights_take_bf16_x_beyond_fp16_range(T):
     """bf16 activations past fp16's range (65504) with fp16 LoRA weights (the GPU's auto storage): the
     products are tf32 (``precision.compute_dtype``), so the delta is finite and equals the fp64 product;
