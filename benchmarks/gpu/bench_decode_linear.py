@@ -168,19 +168,18 @@ def ops_pdl(device) -> bool:
 
 
 MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a time against the default
-    "default": ("a lora_shrink launch that sums its splits, then the GEMM with the expand in its epilogue (PDL)", {}),
+    "default": ("a lora_shrink launch that sums its splits, then the GEMM with the expand in its epilogue (PDL); "
+                "fp16 A and B (auto's storage for a bf16 model on the GPU), tf32 products", {}),
+    "fp32 LoRA": ("A and B stored in fp32 (--lora-dtype float32; auto before session 14)", {"lora_dtype": torch.float32}),
     "no PDL chain": ("the kernel before the shrink (here the GEMM) lets it launch only when it ends", {"chain": False}),
     "64 columns per MMA": ("the epilogue's MMAs over 4 slots of rank 16 (2 chunks): fewer registers",
                            {"epi_cols": 64}),
     "32 columns per MMA": ("the epilogue's MMAs over 2 slots (4 chunks): fewer still",
                            {"epi_cols": 32}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
-    "fp16 LoRA": ("A and B stored in fp16 (auto's GPU storage for bf16 models), tf32 products",
-                  {"lora_dtype": torch.float16}),
-    "fp16 LoRA, fp16 products": ("fp16 A and B, x and s cast to fp16 (not what the engine does: x may overflow)",
-                                 {"lora_dtype": torch.float16, "mixed_fp32": False}),
-    "fp16 LoRA, fp32 knobs": ("fp16 A and B, tf32 products, fp32's decode knobs (no B pull, a slice a shrink program)",
-                              {"lora_dtype": torch.float16, "pf_ahead": 0, "fuse_decode": False}),
+    "fp16 products": ("x and s cast to fp16 for fp16 MMAs (not what the engine does: x may overflow fp16)",
+                      {"mixed_fp32": False}),
+    "fp32's knobs": ("no B pull, a slice a shrink program (what fp32 A and B take)", {"pf_ahead": 0, "fuse_decode": False}),
     "no PDL": ("two ordinary launches", {"pdl": False}),
     # (the default takes the next two for half-precision A and B only)
     "B to L2 2 steps ahead": ("each LoRA'd GEMM program pulls its epilogue's B into L2 2 K steps before its loop "
@@ -206,11 +205,14 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     # helper programs adding the deltas of gate_up's first wave (47671fa), the delta precomputed by programs
     # of the shrink's launch (c61824c), the GEMM launched as its shrink starts, pulling W into L2 (d7188df; session 12)
 }
-PARTS = ("default", "bf16 LoRA", "fp16 LoRA")  # configs whose cost is also split into shrink and epilogue
+PARTS = ("default", "bf16 LoRA", "fp32 LoRA")
+# the LoRA weights' dtype of every row that names none: what auto stores for a bf16 model on the GPU
+# (session 14; sessions 4-13 timed fp32 here)
+DEFAULT_LORA_DTYPE = torch.float16  # configs whose cost is also split into shrink and epilogue
 
 
 def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
-    """LoRA cost per Llama-8B op at 32 tokens (8 adapters mixed; fp32 unless a knob says bf16), unfused and
+    """LoRA cost per Llama-8B op at 32 tokens (8 adapters mixed; DEFAULT_LORA_DTYPE unless a knob says another), unfused and
     fused, per knob of MATRIX."""
     from loraserve.lora.ops.triton import lora_expand as expand_mod
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
@@ -250,7 +252,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
         for name, K, slices in SHAPES["llama-8b"][:4]:
-            lc = Case(K, slices, 32, layers, lora_dtype=knobs.get("lora_dtype", torch.float32))
+            lc = Case(K, slices, 32, layers, lora_dtype=knobs.get("lora_dtype", DEFAULT_LORA_DTYPE))
             tiles = dl.default_tiles(32, lc.N, K, torch.bfloat16)
             t_unf, t_fus = bench_lora(lc, ops, tiles)
             err = check(lc, ops, tiles)
@@ -328,7 +330,7 @@ def trace(layers: int, out_dir: str) -> None:
         print(f"trace {name} base: {len(ks)} kernels, GEMM span {med([t1 - t0 for _, t0, t1 in ks]):.1f} µs, "
               f"period {med([b - a for a, b in zip(ends, ends[1:])]):.1f} µs", flush=True)  # fmt: skip
         del case
-        for ldt in (torch.bfloat16, torch.float32):
+        for ldt in (torch.bfloat16, torch.float16, torch.float32):
             lc = Case(K, slices, 32, layers, lora_dtype=ldt)
             ks = _replay_kernels(fused(lc, tiles), f"{out_dir}/{name}_{str(ldt)[6:]}.json")
             del lc
@@ -395,7 +397,7 @@ def gated(layers: int, configs=((64, 4), (64, 8), (128, 8))) -> None:
         tiles = dl.default_tiles(32, case.N, K, torch.bfloat16)
         t_base = graph_us(lambda c=case, t=tiles: [silu_and_mul(dl.decode_linear(c.x, w, tiles=t)) for w in c.ws], layers)
         del case
-        for ldt in (torch.bfloat16, torch.float32):
+        for ldt in (torch.bfloat16, torch.float16, torch.float32):
             lc = Case(K, slices, 32, layers, lora_dtype=ldt)
             cfgs = configs if model in ("llama-8b", "qwen-0.5b") else ((64, 8),)
             print(f"gated {model} {str(ldt)[6:]} ({slices[0]} x 2 by {K}): base {t_base:.1f} µs | "
