@@ -2,7 +2,7 @@
 
 Shapes (bf16, random weights): Qwen3-30B-A3B (128 experts, top-8, hidden 2048, expert intermediate 768)
 and Mixtral-8x7B (8 experts, top-2, hidden 4096, intermediate 14336). Tokens: 1, 32 (decode of 32
-sequences), 512 and 4096 (prefill). LoRA: 8 slots of rank 16 (fp32 weights, as PEFT upcasts them) on
+sequences), 512 and 4096 (prefill). LoRA: 8 slots of rank 16 (fp32 weights, as PEFT upcasts them: --lora-dtype float32) on
 gate, up and down of every expert, tokens round-robin over the 8 slots.
 
 - ``loop``: ``FusedMoE.experts_forward`` (sort by expert, one matmul pair per expert with tokens, plus

@@ -105,7 +105,8 @@ its slot's columns and loads it before B (one round trip; ``expand_block.slot_co
 vs 15.4-16.5 µs of LoRA cost a layer with bf16 B and 22.8-23.3 vs 23.2-24.8 with fp32 (within gate_up's
 spread between calls); the 8-adapter step 1.09x the base with bf16 LoRA weights (BENCHMARKS.md
 session 13). What is left after the loop is that round trip (~40 samples)
-and the MMA's wait (~15).
+and the MMA's wait (~15). Session 14: fp16 B (auto's storage for bf16 models, tf32 products) costs 16.4
+µs a layer, the 8-adapter step 1.095-1.099x (BENCHMARKS.md).
 
 Layout: the product is computed transposed, acc (BLOCK_N, BLOCK_M) = W_tile @ x_tile^T, so the long
 axis (N) is the MMA's M and the few tokens its N (>= 16, padded by masking). A program owns a block of
@@ -114,8 +115,8 @@ sums their partials in a fixed order and runs the epilogue (deterministic): smal
 qkv) have too few column blocks to keep every SM streaming W otherwise.
 
 Numerics (the same as the unfused path, cuBLAS GEMM then the expand kernel): fp32 accumulation, bias
-added in fp32, the base output rounded to y's dtype, then the delta (fp32: s rounded to B's dtype,
-products tf32 for fp32 B with half activations, as ``lora_expand``) added and rounded once more. This
+added in fp32, the base output rounded to y's dtype, then the delta (fp32: s rounded to the products'
+dtype, ``precision.compute_dtype``: tf32 for fp32 B, and for fp16 B, with bf16 activations, as ``lora_expand``) added and rounded once more. This
 is PEFT's order, ``result = base(x); result = result + lora_B(lora_A(x)) * s`` with the fp32 sum rounded.
 """
 
