@@ -32,6 +32,7 @@
 #                                               session 14 ran it with the split fp16 MMAs, since removed)
 #   bash benchmarks/gpu/run_device.sh confirm14 # every GPU test, --matrix rows default (fp16), fp32 and bf16 LoRA, bench_e2e both
 #                                               shapes without HF for auto, float32 and bfloat16 LoRA weights
+#   bash benchmarks/gpu/run_device.sh floor     # shrink_floor.py (the prefill shrink vs reading x, cuBLAS), the wide-K sweep for fp16 A
 #   bash benchmarks/gpu/run_device.sh e2e-dtypes  # bench_e2e Llama-8B without HF: auto (fp16 LoRA weights), float32, bfloat16
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
@@ -166,6 +167,10 @@ for stage in "$@"; do
             timeout 200 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -2 | tee "$OUT/gpu_tests.txt"
             timeout 100 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;fp32 LoRA;bf16 LoRA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt" | tail -4
             timeout 280 python3 benchmarks/gpu/bench_e2e.py --skip-hf --lora-dtypes float32,bfloat16 --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A12 "^| model\|parity max\|greedy ids\|replay"
+            ;;
+        floor)
+            timeout 120 python3 benchmarks/gpu/shrink_floor.py 2>&1 | tee "$OUT/shrink_floor.txt"
+            timeout 300 python3 benchmarks/gpu/bench_lora_kernels.py --tune-prefill --tune-kinds shrink --tune-grid wide-k --tune-dtypes float16 --prefill-only 2>&1 | grep -v "^|---" | tee "$OUT/shrink_wide_k_fp16.txt" | grep -v "skipped"
             ;;
         e2e-dtypes)
             timeout 400 python3 benchmarks/gpu/bench_e2e.py --shapes "${E2E_SHAPES:-llama-3.1-8b}" --skip-hf --lora-dtypes float32,bfloat16 --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A9 "^| model\|parity max\|greedy ids\|replay"
