@@ -69,7 +69,7 @@ def main() -> None:
         for seg_len, label in ((T, "one segment"), (128, "32 segments of 128"), (8, "512 segments of 8")):
             slots = [0] * T if seg_len == T else [(t // seg_len) % S for t in range(T)]
             meta = LoRAMapping.build(slots, [], DEV).token_meta
-            row(f"our shrink, {str(wdt)[6:]} A, {label}", lambda: lora_shrink(x, As, meta, ranks, R))
+            row(f"our shrink, {str(wdt)[6:]} A, {label}", lambda As=As, meta=meta, ranks=ranks: lora_shrink(x, As, meta, ranks, R))
 
 
 if __name__ == "__main__":
