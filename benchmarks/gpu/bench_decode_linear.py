@@ -494,14 +494,14 @@ def main() -> None:
     ap.add_argument("--rows", default=None, help="--matrix: only these rows of MATRIX (names separated by ';')")
     ap.add_argument("--lora-tune", action="store_true", help="only the fused LoRA op's time per tile config")
     ap.add_argument("--lora-tune-ops", default="gate_up,down", help="--lora-tune: these ops")
-    ap.add_argument("--lora-tune-dtype", default="fp32", choices=["fp32", "bf16"], help="--lora-tune: the LoRA weights' dtype")
+    ap.add_argument("--lora-tune-dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="--lora-tune: the LoRA weights' dtype")
     ap.add_argument("--gated", action="store_true", help="only gate_up + SiLU-and-mul: the delta in the GEMM or in the activation")
     ap.add_argument("--trace", default=None, help="only the kernel timestamps of each op (profiler traces into this folder)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     if args.lora_tune:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.lora_tune_dtype]
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.lora_tune_dtype]
         lora_tune(args.layers, tuple(args.lora_tune_ops.split(",")), dtype)
         return
     if args.trace:

@@ -180,7 +180,7 @@ def check_lora_once():
     for a, b in zip(As, Bs):
         buf = torch.zeros(T, rank, device=DEV)
         torch_ops.lora_shrink(x, a, mapping.token_segments, [rank] * S, buf)
-        torch_ops.lora_expand(ref, buf, b, mapping.token_segments, [rank] * S, off)
+        torch_ops.lora_expand(ref, buf, b, mapping.token_segments, [rank] * S, off, act_dtype=x.dtype)
         off += b.shape[2]
     err = ((y - ref).norm() / (ref - y0).norm()).item()
     assert err < 2e-3, err  # bf16 activations, fp32 weights: tf32 products, fp32 accumulation

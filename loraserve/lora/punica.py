@@ -150,9 +150,12 @@ class PunicaWrapper:
         self.ops.lora_shrink(x, lora_a, self.mapping().token_segments, ranks, buf)
 
     def add_expand(
-        self, y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: list[int], offset: int
+        self, y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, ranks: list[int], offset: int,
+        act_dtype: torch.dtype,
     ) -> None:
-        self.ops.lora_expand(y, buf, lora_b, self.mapping().token_segments, ranks, offset)
+        """y += buf @ B^T per token's slot; ``act_dtype``: the layer's input dtype (x of the shrink), which
+        with B's picks the products' dtype (``precision.compute_dtype``)."""
+        self.ops.lora_expand(y, buf, lora_b, self.mapping().token_segments, ranks, offset, act_dtype=act_dtype)
 
     def add_lora_linear(
         self,

@@ -323,3 +323,37 @@ def reassemble(case: Case, per_rank: list[torch.Tensor]) -> torch.Tensor:
         chunks.append(torch.cat([per_rank[r][:, off : off + n] for r in range(0, tp, replicas)], dim=-1))
         off += n
     return torch.cat(chunks, dim=-1)
+
+
+def run_fp16_large_activations() -> dict:
+    """Row- and column-parallel layers of a bf16 model with fp16 LoRA storage (auto's on the GPU) and
+    activations whose s = A x exceeds fp16's range, in the default and the fully sharded LoRA mode (whose
+    shrink and expand are PunicaWrapper.add_shrink / add_expand). This rank's outputs by "mode/layer"."""
+    from loraserve.lora.ops.precision import balance_to_fp16
+
+    K, N, R, n_tok = 64, 32, 8, 4
+    g = torch.Generator().manual_seed(0)
+    W = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
+    a16, b16 = balance_to_fp16(torch.randn(R, K, generator=g) * 0.5, torch.randn(N, R, generator=g) * 0.5, "t")
+    x = (torch.randn(n_tok, K, generator=g) * 12000).to(torch.bfloat16)
+    out = {}
+    for layer, make, packed in (("row", lambda: RowParallelLinear(K, N), ["down_proj"]),
+                                ("column", lambda: ColumnParallelLinear(K, N), ["up_proj"])):  # fmt: skip
+        for sharded in (False, True):
+            base = make().to(torch.bfloat16)
+            p = base.weight
+            p.weight_loader(p, W)
+            cfg = LoRAConfig(max_loras=1, max_lora_rank=R, lora_dtype=torch.float16, fully_sharded_loras=sharded)
+            cls = next(c for c in LORA_LAYER_CLASSES if c.can_replace_layer(base, cfg, packed, None))
+            w = cls(base)
+            w.create_lora_weights(1, cfg)
+            w.set_mapping(PunicaWrapper(1, CPU))
+            w.set_lora(0, [a16], [b16])
+            xl = x
+            if layer == "row":
+                k = K // get_tp_size()
+                xl = x[:, get_tp_rank() * k : (get_tp_rank() + 1) * k]
+            with torch.inference_mode(), forward_context(lora=LoRAMapping.build([0] * n_tok, [0] * n_tok, CPU)):
+                y = w(xl)
+            out[f"{'sharded' if sharded else 'default'}/{layer}"] = ((y[0] if isinstance(y, tuple) else y).float(), cls.__name__)
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_util import run_on_ranks
-from layer_cases import CASES, reassemble, run_all
+from layer_cases import CASES, reassemble, run_all, run_fp16_large_activations
 
 TP = 2
 BY_NAME = {c.name: c for c in CASES}
@@ -71,3 +71,16 @@ def test_vocab_shard_of_only_padding_holds_no_token():
         assert not emb.weight.any()
     finally:
         reset()
+
+
+def test_fully_sharded_fp16_lora_keeps_s_in_fp32(tmp_path):
+    """fp16 LoRA weights (auto's GPU storage) with bf16 activations whose s exceeds fp16's range: the fully
+    sharded layers at TP=2 (shrink, all-gather or all-reduce of s, expand) give the default mode's output,
+    finite (s rounded to fp16 would be inf)."""
+    per_rank = run_on_ranks(run_fp16_large_activations, TP, tmp_path)
+    for out in per_rank:
+        for layer in ("row", "column"):
+            (got, cls), (ref, _) = out[f"sharded/{layer}"], out[f"default/{layer}"]
+            assert "Sharded" in cls
+            assert torch.isfinite(got).all(), f"{layer}: s went through fp16"
+            torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())

@@ -184,3 +184,70 @@ def test_fp16_lora_weights_serve_within_rounding_of_peft(world):
     ref = peft_model(base, {"a": a_dir})
     for p, o in zip(prompts, outs):
         assert max_logprob_diff(ref, o, p) < 2e-2
+
+
+def test_a_near_dead_rank_balances_to_zeros_not_nan():
+    """A rank whose two maxima are ~2^130 apart (a stray fp32-subnormal A value, the rest zero): its scale
+    ratio overflows fp32, so the exponent comes from the logs; stored as zeros or finite values, never NaN."""
+    a, b = trained_like(r=2)
+    b[:, 1] = 1.0
+    a[1] = 0.0
+    a[1, 0] = 1e-39
+    a16, b16 = balance_to_fp16(a, b, "test")
+    assert torch.isfinite(a16).all() and torch.isfinite(b16).all()
+    assert rel(b16.double() @ a16.double(), b.double() @ a.double()) < 2**-10
+    a = torch.full((1, 4), 65504.0)  # fp16's largest value, paired with a unit column: times 2^-8
+    a16, b16 = balance_to_fp16(a, torch.ones(3, 1), "test")
+    assert a16.float().max() == 65504.0 / 256 and b16.float().max() == 256.0
+
+
+def test_punica_shrink_then_expand_keeps_s_in_fp32_with_fp16_weights():
+    """The fully-sharded layers under TP > 1 take PunicaWrapper.add_shrink then add_expand, which must pick
+    the products of the default path (add_lora_linear): bf16 x with fp16 weights keeps s in fp32. Here
+    |s| > 65504, which fp16 would make inf."""
+    from loraserve.forward_context import forward_context
+    from loraserve.lora.punica import LoRAMapping, PunicaWrapper
+
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    T, K, N, R = 4, 64, 32, 8
+    a, b = torch.randn(R, K, generator=g) * 0.5, torch.randn(N, R, generator=g) * 0.5
+    a16, b16 = balance_to_fp16(a, b, "t")
+    A, B = a16.view(1, 1, R, K).clone(), b16.view(1, 1, N, R).clone()
+    x = (torch.randn(T, K, generator=g) * 12000).to(BF16)
+    ref = x.double() @ a.double().t() @ b.double().t()
+    pw = PunicaWrapper(1, cpu)
+    with forward_context(lora=LoRAMapping.build([0] * T, [], cpu)):
+        fused = torch.zeros(T, N)
+        pw.add_lora_linear(fused, x, (A,), (B,), (N,), [R])
+        buf = torch.zeros(T, R)
+        pw.add_shrink(buf, x, A, [R])
+        split = torch.zeros(T, N)
+        pw.add_expand(split, buf, B, [R], 0, x.dtype)
+    assert buf.abs().max() > 65504, "the case must overflow fp16 in s"
+    assert torch.isfinite(split).all()
+    assert rel(split, ref) < 2**-9 and rel(fused, ref) < 2**-9
+    torch.testing.assert_close(split, fused, rtol=0, atol=0)
+
+
+def test_the_manager_resolves_auto_once_for_its_layers(world, monkeypatch):
+    """The LoRA manager resolves auto with the device and the model's dtype and hands its layers a config
+    holding the result (layers build their slots from it without knowing the device's rule): simulated
+    here by an auto that picks fp16 whenever it is told a device, as the GPU's rule does for bf16."""
+    base, a_dir, _ = world
+    original = LoRAConfig.resolved_dtype
+
+    def gpu_like(self, device=None, model_dtype=None):
+        if self.lora_dtype == "auto" and device is not None:
+            return FP16
+        return original(self, device, model_dtype)
+
+    monkeypatch.setattr(LoRAConfig, "resolved_dtype", gpu_like)
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=16)
+    mgr = llm.engine.lora_manager
+    assert mgr.lora_dtype == FP16
+    for module in mgr.modules.values():
+        stacks = module.lora_a_stacked if isinstance(module.lora_a_stacked, tuple) else (module.lora_a_stacked,)
+        assert all(t.dtype == FP16 for t in stacks), type(module).__name__
+    packed = mgr._load(LoRARequest("a", 1, str(a_dir)))
+    assert all(m.lora_a.dtype == FP16 for m in packed.modules.values())  # the host copies too

@@ -136,7 +136,7 @@ def test_lora_expand_heterogeneous_ranks_ignores_padding(seed):
     y0 = torch.randn(T, total, generator=g)
     y = y0.clone()
     m = LoRAMapping.build(slots, [], CPU)
-    torch_ops.lora_expand(y, buf, b, m.token_segments, RANKS, offset)
+    torch_ops.lora_expand(y, buf, b, m.token_segments, RANKS, offset, act_dtype=torch.float32)
     ref = y0.double()
     ref[:, offset : offset + n_out] += naive_expand(buf, b, slots, RANKS)
     torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)

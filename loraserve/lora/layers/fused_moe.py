@@ -314,7 +314,8 @@ class _ExpertLoRAHook:
                 a = layer.lora_a_stacked[i][s, e, :r]  # (r, in)
                 b = layer.lora_b_stacked[i][s, e, :, :r]  # (out, r)
                 cdt = compute_dtype(xs.dtype, a.dtype)  # precision.py: the kernels' products
-                acc[pos : pos + c, cols] += ((xs.to(cdt) @ a.to(cdt).t()).to(cdt) @ b.to(cdt).t()).float()
+                h = xs.to(cdt).float() @ a.to(cdt).float().t()  # products and sums in fp32, as the kernels'
+                acc[pos : pos + c, cols] += h.to(cdt).float() @ b.to(cdt).float().t()
         return acc.to(out.dtype)
 
     def w13(self, e: int, tok: torch.Tensor, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,7 @@ class _ColumnShardedLoRA:
         full = tp_all_gather(buf, dim=-1)  # (S, T, R)
         offset = 0
         for i, (b, n) in enumerate(zip(self.lora_b_stacked, self.output_slices)):
-            self.punica_wrapper.add_expand(acc, full[i], b, self.expand_ranks, offset)
+            self.punica_wrapper.add_expand(acc, full[i], b, self.expand_ranks, offset, x.dtype)
             offset += n
         return acc.to(out.dtype)
 
@@ -173,7 +173,7 @@ class RowParallelLinearWithShardedLoRA(RowParallelLinearWithLoRA):
         tp_all_reduce(buf)  # sum_k A_k x_k = Ax
         acc = partial.float()
         n = self.output_slices[0]
-        self.punica_wrapper.add_expand(acc, buf, self.lora_b_stacked[0], self.slot_ranks, self.tp_rank * n)
+        self.punica_wrapper.add_expand(acc, buf, self.lora_b_stacked[0], self.slot_ranks, self.tp_rank * n, x.dtype)
         return base.finish(acc.to(partial.dtype))
 
     @classmethod

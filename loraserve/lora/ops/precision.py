@@ -46,22 +46,23 @@ def balance_to_fp16(a: torch.Tensor, b: torch.Tensor, where: str) -> tuple[torch
     and is stored as zeros (a finite A row times a zero column could still overflow to inf * 0 = NaN).
 
     Raises ValueError naming ``where`` when a rank's scale is beyond fp16 (max|A_i| max|B_i| > ~2^31):
-    such an adapter needs ``--lora-dtype float32``. Ranks whose scale is below ~2^-28 keep less than 10
-    bits in their smallest values (subnormals); their whole contribution is that small too.
+    such an adapter needs ``--lora-dtype float32``, as does one holding NaN or inf (refused as broken).
+    Values below fp16's smallest normal (2^-14) after balancing are subnormals, rounded to multiples of
+    2^-24: they keep fewer than 10 bits. That is most of a rank's values only when its scale
+    sqrt(max|A_i| max|B_i|) nears 2^-14 (B ~1e-7 with A ~1e-2), and such a rank's term is that small too.
     """
     a32, b32 = a.float(), b.float()
     amax = a32.abs().amax(dim=-1)  # (..., r)
     bmax = b32.abs().amax(dim=-2)  # (..., r)
-    live = (amax > 0) & (bmax > 0) & torch.isfinite(amax) & torch.isfinite(bmax)
-    ratio = torch.where(live, bmax / torch.where(live, amax, 1.0), 1.0)
-    e = torch.round(0.5 * torch.log2(ratio))  # 2^e ~ sqrt(bmax / amax)
-    scale = torch.exp2(e)
-    a16 = torch.where(live[..., :, None], a32 * scale[..., :, None], 0.0)
-    b16 = torch.where(live[..., None, :], b32 / scale[..., None, :], 0.0)
     if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
         raise ValueError(f"{where}: the LoRA weights hold NaN or inf; the adapter file is broken")
+    live = (amax > 0) & (bmax > 0)
+    # 2^e ~ sqrt(bmax / amax), from the logs: the ratio itself overflows fp32 for a near-dead rank
+    e = torch.where(live, torch.round(0.5 * (torch.log2(bmax) - torch.log2(amax))), 0.0)
+    a16 = torch.where(live[..., :, None], torch.ldexp(a32, e[..., :, None]), 0.0)
+    b16 = torch.where(live[..., None, :], torch.ldexp(b32, -e[..., None, :]), 0.0)
     worst = max(a16.abs().amax().item(), b16.abs().amax().item()) if a16.numel() and b16.numel() else 0.0
-    if worst >= FP16_MAX:
+    if not worst < FP16_MAX:  # (NaN fails too)
         raise ValueError(
             f"{where}: LoRA weights beyond fp16 storage (a rank's balanced maximum is {worst:.3g}, fp16 holds "
             f"{FP16_MAX:g}); serve this adapter with --lora-dtype float32"

@@ -154,4 +154,5 @@ class TritonLoRAOps:
         if not meta.static and max(ranks) == 0:
             return
         rows = emb_a[token_slots.clamp(min=0), ids].float()  # (T, R); rows of base tokens are never read
-        lora_expand(y, rows.view(1, 1, *rows.shape), (lora_b,), meta, rank_dev)
+        # the "activations" are A's rows in its storage dtype: B's products are exact in it (fp32 for fp32)
+        lora_expand(y, rows.view(1, 1, *rows.shape), (lora_b,), meta, rank_dev, act_dtype=emb_a.dtype)

@@ -1,8 +1,9 @@
 """LoRA expand on the GPU: y[t, off_i + n] += sum_r buf[t, i, r] * B_i[slot(t), n, r], for 1-3 slices at once.
 
 A program owns one BLOCK_N tile of one slice's outputs x one block of tokens of one segment. It sums
-the planes of ``buf`` while loading them (``lora_shrink`` gives one), rounds them to B's dtype (as the torch reference
-and PEFT do before the second matmul), multiplies in fp32, and adds into ``y``:
+the planes of ``buf`` while loading them (``lora_shrink`` gives one), rounds them to the products' dtype
+(``precision.compute_dtype``: B's, as the torch reference and PEFT do before the second matmul, or fp32
+for fp32 B and for fp16 B with bf16 activations), multiplies, accumulates in fp32, and adds into ``y``:
 
 - ``y`` fp32: the accumulator the layer rounds later.
 - ``y`` bf16/fp16 (the layer's own output): the add runs in fp32 and each element is rounded once,
@@ -129,7 +130,7 @@ def _lora_expand_kernel(
         # measured no faster at 4096 tokens (H200, session 9: qkv 55.9 vs 56.5 µs, gate_up 164.8 vs
         # 164.6) and was removed
         tl.extra.cuda.gdc_wait()
-    # (BLOCK_M, BLOCK_R): the shrink's partials, summed in fp32, then rounded to B's dtype
+    # (BLOCK_M, BLOCK_R): the shrink's partials, summed in fp32, then rounded to the products' dtype
     h_ptrs = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]
     h_mask = m_mask[:, None] & r_mask[None, :]
     h = sum_planes(h_ptrs, h_mask, SPLIT_K, stride_bsp, RED, False).to(CDT)  # s in the products' dtype (precision.py)
@@ -167,7 +168,8 @@ def lora_expand(
     meta: SegmentMeta,
     ranks: torch.Tensor,
     offset: int = 0,
-    act_dtype: torch.dtype = torch.float32,
+    *,
+    act_dtype: torch.dtype,
 ) -> None:
     """y (T, N) += per-slice B_i(buf_i) at columns offset + sum(N_<i); buf from ``lora_shrink``.
 
