@@ -15,30 +15,19 @@ difference between one segment and 32 is the per-segment cost, between cuBLAS an
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
-from triton.testing import do_bench
 
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.punica import LoRAMapping
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_moe import copy_bandwidth, graph_us  # noqa: E402  (a sibling script, not a package)
+
 DEV = torch.device("cuda")
 T, K, R, SLICES, S = 4096, 4096, 16, 3, 8
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.int16, device=DEV).random_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * src.numel() * 2 / (ms * 1e-3)
-
-
-def graph_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def main() -> None:
