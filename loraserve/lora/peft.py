@@ -330,10 +330,9 @@ def _extras_dtype(dtype: torch.dtype) -> torch.dtype:
 def store_adapter(adapter: LoRAAdapter, dtype: torch.dtype) -> LoRAAdapter:
     """The adapter with its LoRA pairs in ``dtype`` (``precision.to_storage``) and its extras in
     ``_extras_dtype``: for one combined in fp32 (a mixture)."""
-    modules = {}
+    modules, ex = {}, _extras_dtype(dtype)
     for name, m in adapter.modules.items():
         a, b = _stored(m.lora_a, m.lora_b, dtype, adapter.path, name)
-        ex = _extras_dtype(dtype)
         modules[name] = dataclasses.replace(
             m, lora_a=a, lora_b=b,
             magnitude=None if m.magnitude is None else m.magnitude.to(ex),

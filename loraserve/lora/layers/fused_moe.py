@@ -28,6 +28,7 @@ from loraserve.layers.moe import FusedMoE
 from loraserve.lora.errors import LoRAShapeError, LoRAUnsupportedFeatureError
 from loraserve.lora.layers.base import BaseLayerWithLoRA, LoRAPieces
 from loraserve.lora.ops.precision import compute_dtype
+from loraserve.lora.ops.torch_ops import matmul_t
 from loraserve.lora.peft import LoRAModuleWeights
 
 # per-expert 2-D module names of each slice: HF v4 / Qwen names first, then Mixtral's
@@ -314,8 +315,7 @@ class _ExpertLoRAHook:
                 a = layer.lora_a_stacked[i][s, e, :r]  # (r, in)
                 b = layer.lora_b_stacked[i][s, e, :, :r]  # (out, r)
                 cdt = compute_dtype(xs.dtype, a.dtype)  # precision.py: the kernels' products
-                h = xs.to(cdt).float() @ a.to(cdt).float().t()  # products and sums in fp32, as the kernels'
-                acc[pos : pos + c, cols] += h.to(cdt).float() @ b.to(cdt).float().t()
+                acc[pos : pos + c, cols] += matmul_t(matmul_t(xs, a, cdt), b, cdt)
         return acc.to(out.dtype)
 
     def w13(self, e: int, tok: torch.Tensor, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from loraserve.lora.ops.precision import compute_dtype
 Segments = list[tuple[int, torch.Tensor]]
 
 
-def _matmul_t(a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+def matmul_t(a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """a @ b^T with both rounded to ``cdt``, the products and their sum in fp32: what the GPU's tensor cores
     do (a product of two half-precision values is exact in fp32), with no rounding of the result to cdt."""
     return a.to(cdt).float() @ b.to(cdt).float().t()
@@ -32,7 +32,7 @@ def lora_shrink(
             continue
         a = lora_a[slot, 0, :r]  # (r, in)
         cdt = compute_dtype(x.dtype, a.dtype)
-        out[idx, :r] = _matmul_t(x[idx], a, cdt).to(out.dtype)
+        out[idx, :r] = matmul_t(x[idx], a, cdt).to(out.dtype)
 
 
 def lora_expand(
@@ -54,7 +54,7 @@ def lora_expand(
             continue
         b = lora_b[slot, 0, :, :r]  # (out, r)
         cdt = compute_dtype(act_dtype, b.dtype)
-        y[idx, offset : offset + n] += _matmul_t(buf[idx, :r], b, cdt).to(y.dtype)
+        y[idx, offset : offset + n] += matmul_t(buf[idx, :r], b, cdt).to(y.dtype)
 
 
 def lora_embedding(
@@ -72,4 +72,4 @@ def lora_embedding(
             continue
         rows = emb_a[slot, :, :r][ids[idx]]  # (n, r)
         b = lora_b[slot, 0, :, :r]
-        y[idx] += _matmul_t(rows, b, compute_dtype(rows.dtype, b.dtype)).to(y.dtype)
+        y[idx] += matmul_t(rows, b, compute_dtype(rows.dtype, b.dtype)).to(y.dtype)
