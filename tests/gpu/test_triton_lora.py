@@ -315,14 +315,16 @@ def test_prefill_tiles_match_reference(tiles, case, monkeypatch):
 
 @pytest.mark.parametrize("T", [16, 200], ids=["decode-size", "prefill-size"])
 def test_fp16_weights_take_bf16_x_beyond_fp16_range(T):
-    """bf16 activations past fp16's range (65504) with fp16 LoRA weights (the GPU's auto storage): the
-    products are tf32 (``precision.compute_dtype``), so the delta is finite and equals the fp64 product;
-    fp16 products would cast x to fp16 and make it inf."""
+    """bf16 activations, and s = A x, past fp16's range (65504) with fp16 LoRA weights (the GPU's auto
+    storage): the products are tf32 (``precision.compute_dtype``) and s stays fp32, so the delta is finite
+    and equals the fp64 product; fp16 products, or s rounded to fp16 in the expand, would make it inf."""
     g = torch.Generator().manual_seed(7)
     S, R, K, outs = 3, 16, 256, (128, 64)
     slots = [t % S for t in range(T)]
     mapping = LoRAMapping.build(slots, [], DEV)
-    As = tuple((torch.randn(S, 1, R, K, generator=g) * 0.02).to(DEV, torch.float16) for _ in outs)
+    a = torch.randn(S, 1, R, K, generator=g) * 0.02
+    a[..., 5] = 1.0  # s = A x past fp16's range too: the expand must not round it to fp16
+    As = tuple(a.to(DEV, torch.float16) for _ in outs)
     Bs = tuple((torch.randn(S, 1, n, R, generator=g) * 0.02).to(DEV, torch.float16) for n in outs)
     x = torch.randn(T, K, generator=g)
     x[::3, 5] = 3e5  # a bf16 value fp16 cannot hold
@@ -333,5 +335,6 @@ def test_fp16_weights_take_bf16_x_beyond_fp16_range(T):
     st = torch.tensor(slots, device=DEV)
     ref = torch.cat([torch.einsum("tk,trk,tnr->tn", x.double(), a[st, 0].double(), b[st, 0].double())
                      for a, b in zip(As, Bs)], dim=1)  # fmt: skip
-    assert torch.isfinite(y).all(), "x was cast to fp16"
+    assert (x.float() @ a[0, 0].t().to(DEV)).abs().max() > 65504, "the case must put s past fp16's range"
+    assert torch.isfinite(y).all(), "x or s was cast to fp16"
     assert rel_err(y, ref) < 1e-3
