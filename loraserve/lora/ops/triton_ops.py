@@ -15,7 +15,7 @@ import os
 import torch
 
 from loraserve.layers import triton_decode_linear as decode
-from loraserve.lora.ops.triton import gated_lora
+from loraserve.lora.ops.triton import gated_lora, lora_prefill
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
@@ -64,11 +64,17 @@ class TritonLoRAOps:
         ranks: list[int],
         meta: SegmentMeta,
     ) -> None:
-        """y (T, sum N_i) += per-slice B_i(A_i x) per token's slot; y fp32 or the layer's dtype (rounded once)."""
+        """y (T, sum N_i) += per-slice B_i(A_i x) per token's slot; y fp32 or the layer's dtype (rounded once).
+
+        Prefill-size segments take one launch (``lora_prefill``: the expand overlaps the shrink), decode
+        sizes the shrink and the expand (PDL-chained)."""
         assert meta is not None, "the LoRA mapping has no SegmentMeta: build it with a CUDA device"
         rank_dev = self.ranks_tensor(ranks)
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
         if max_rank == 0:
+            return
+        if lora_prefill.applies(meta, lora_a_stacked[0].shape[2], len(lora_a_stacked)):
+            lora_prefill.lora_prefill(y, x, lora_a_stacked, lora_b_stacked, meta, rank_dev)
             return
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces)
         lora_expand(y, buf, lora_b_stacked, meta, rank_dev, act_dtype=x.dtype)

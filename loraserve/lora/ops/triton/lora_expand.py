@@ -10,6 +10,8 @@ for fp32 B and for fp16 B with bf16 activations), multiplies, accumulates in fp3
   which equals ``(y.float() + delta).to(y.dtype)`` without the two extra passes over y.
 
 Each output element belongs to exactly one token, hence one slot and one program: no atomics.
+(Prefill normally takes ``lora_prefill``'s one launch, whose expand items pick their slice with
+``tile_slice`` as here.)
 """
 
 from __future__ import annotations
@@ -22,6 +24,37 @@ import triton.language as tl
 
 from loraserve.lora.ops.triton.utils import compute_dtype_of, dot_in, sum_planes, tl_dtype, use_pdl
 from loraserve.lora.punica import SegmentMeta
+
+
+@triton.jit
+def tile_slice(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, N2, tiles0, tiles01,
+               y_offset, NUM_SLICES: tl.constexpr):  # fmt: skip
+    """(B, B's slot stride, slice, column tile within the slice, the slice's width, its first column of y)
+    of column tile pid_n, the tiles of slice 0 first (tiles0 of them), then slice 1's (up to tiles01)."""
+    # NOTE: `pid_n * 0 + c`: every branch of a runtime `if` must give a variable the same type
+    w_ptr = b0_ptr
+    stride_ws = stride_ws0
+    sl = pid_n * 0
+    n_tile = pid_n
+    n_size = pid_n * 0 + N0
+    col0 = pid_n * 0 + y_offset
+    if NUM_SLICES > 1:
+        if pid_n >= tiles0:
+            if pid_n < tiles01:
+                w_ptr = b1_ptr
+                stride_ws = stride_ws1
+                sl = pid_n * 0 + 1
+                n_tile = pid_n - tiles0
+                n_size = pid_n * 0 + N1
+                col0 = pid_n * 0 + y_offset + N0
+            else:
+                w_ptr = b2_ptr
+                stride_ws = stride_ws2
+                sl = pid_n * 0 + 2
+                n_tile = pid_n - tiles01
+                n_size = pid_n * 0 + N2
+                col0 = pid_n * 0 + y_offset + N0 + N1
+    return w_ptr, stride_ws, sl, n_tile, n_size, col0
 
 
 # NOTE: sizes (K, N, column offsets) are specialized, not do_not_specialize: Triton then knows they are
@@ -77,35 +110,10 @@ def _lora_expand_kernel(
     if (rank == 0) | (m0 >= seg_len):
         return
 
-    if NUM_SLICES == 1:
-        w_ptr = b0_ptr
-        stride_ws = stride_ws0
-        sl = pid_n * 0
-        n_tile = pid_n
-        n_size = pid_n * 0 + N0
-        col0 = pid_n * 0 + y_offset
-    else:
-        if pid_n < tiles0:
-            w_ptr = b0_ptr
-            stride_ws = stride_ws0
-            sl = pid_n * 0
-            n_tile = pid_n
-            n_size = pid_n * 0 + N0
-            col0 = pid_n * 0 + y_offset
-        elif pid_n < tiles01:
-            w_ptr = b1_ptr
-            stride_ws = stride_ws1
-            sl = pid_n * 0 + 1
-            n_tile = pid_n - tiles0
-            n_size = pid_n * 0 + N1
-            col0 = pid_n * 0 + y_offset + N0
-        else:
-            w_ptr = b2_ptr
-            stride_ws = stride_ws2
-            sl = pid_n * 0 + 2
-            n_tile = pid_n - tiles01
-            n_size = pid_n * 0 + N2
-            col0 = pid_n * 0 + y_offset + N0 + N1
+    w_ptr, stride_ws, sl, n_tile, n_size, col0 = tile_slice(
+        pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, N2, tiles0, tiles01, y_offset,
+        NUM_SLICES,
+    )
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_len

@@ -23,7 +23,9 @@ tail, and x after it. A program of half-precision A (bf16, or fp16: auto's GPU s
 models) computes every slice of its tile (``DECODE_FUSE_SLICES``) and loads A after the wait (measured
 faster that way, session 10; with fp16 A, 16.2 against 17.6 µs a layer with fp32's knobs, session 14).
 Prefill (segments longer than 32 tokens) takes ``PREFILL``'s tiles, where by default a program owns
-every slice of its tile and loads each tile of x once for all of them.
+every slice of its tile and loads each tile of x once for all of them. (The engine runs prefill with
+``lora_prefill``'s one launch, shrink and expand together, sharing ``slices_dot``; this path serves it
+with that off, and ranks past its MAX_RANK.)
 
 NOTE: bf16 x with fp16 A (auto's GPU storage) multiplies in tf32 (``utils.compute_dtype_of``). Splitting
 A into two bf16 halves instead (hi + lo: the same exact products, two bf16 MMAs, x left in bf16) was
@@ -82,6 +84,31 @@ def _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl, R, st
 
 
 @triton.jit
+def slices_dot(x_row, a0_ptr, a1_ptr, a2_ptr, a_off, m_mask, r_mask, k_begin, k_per_split, K, stride_xk, stride_ak,
+               NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+               CDT: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """(x A_i^T) of a token block (rows ``x_row``) over K in [k_begin, k_begin + k_per_split) for every
+    slice, fp32 (slices past NUM_SLICES zeros): each tile of x loaded once for all of them. A's columns
+    past ``r_mask`` read as zeros."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        kk = k_begin + k + offs_k
+        k_mask = kk < K
+        xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a_mask = k_mask[:, None] & r_mask[None, :]
+        a_k = a_off + kk[:, None] * stride_ak
+        acc0 += dot_in(xt, tl.load(a0_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
+        if NUM_SLICES > 1:
+            acc1 += dot_in(xt, tl.load(a1_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
+        if NUM_SLICES > 2:
+            acc2 += dot_in(xt, tl.load(a2_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
+    return acc0, acc1, acc2
+
+
+@triton.jit
 def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split,
                        stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm,
                        R, NUM_SLICES: tl.constexpr, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -97,27 +124,14 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
     tok = tl.load(meta_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    offs_k = tl.arange(0, BLOCK_K)
     k_begin = split * k_per_split
     x_row = x_ptr + tok[:, None] * stride_xm
     a_off = slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar  # the slices share A's layout
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, k_per_split, BLOCK_K):
-        kk = k_begin + k + offs_k
-        k_mask = kk < K
-        xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        a_mask = k_mask[:, None] & r_mask[None, :]
-        a_k = a_off + kk[:, None] * stride_ak
-        acc0 += dot_in(xt, tl.load(a0_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
-        if NUM_SLICES > 1:
-            acc1 += dot_in(xt, tl.load(a1_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
-        if NUM_SLICES > 2:
-            acc2 += dot_in(xt, tl.load(a2_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
+    acc0, acc1, acc2 = slices_dot(x_row, a0_ptr, a1_ptr, a2_ptr, a_off, m_mask, r_mask, k_begin, k_per_split, K,
+                                  stride_xk, stride_ak, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, CDT, IEEE)  # fmt: skip
     out = buf_ptr + tok[:, None] * stride_bm + offs_r[None, :]  # slice 0, plane 0
     out_mask = _out_mask(m_mask, offs_r, R, EVEN_R)
     tl.store(out + split * stride_bsp, acc0, mask=out_mask)
