@@ -18,6 +18,7 @@ DEV = triton_device()
 from loraserve.forward_context import forward_context  # noqa: E402
 from loraserve.lora.ops import torch_ops  # noqa: E402
 from loraserve.lora.ops.precision import compute_dtype  # noqa: E402
+from loraserve.lora.ops.triton import lora_prefill as prefill_mod  # noqa: E402
 from loraserve.lora.ops.triton import utils as triton_utils  # noqa: E402
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink  # noqa: E402
 from loraserve.lora.ops.triton_ops import TritonLoRAOps  # noqa: E402
@@ -86,13 +87,18 @@ CASES = [
 )
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("shrink_reduces", [False, True], ids=["planes-summed-by-expand", "summed-by-shrink"])
-def test_add_lora_linear_matches_reference(case, seed, shrink_reduces):
+def test_add_lora_linear_matches_reference(case, seed, shrink_reduces, monkeypatch):
+    """Both shrink modes; planes-summed-by-expand keeps prefill sizes on the two launches too (the other
+    mode takes ``lora_prefill``'s one launch there, as the default does)."""
+    if not shrink_reduces:
+        monkeypatch.setattr(prefill_mod, "ENABLED", False)
     check_add_lora_linear(case, seed, shrink_reduces)
 
 
-def check_add_lora_linear(case, seed, shrink_reduces=True, top_rank=None) -> SegmentMeta:
-    """add_lora_linear on random data (ranks with an empty slot, tokens of no adapter) equals the torch
-    reference; returns the mapping's kernel view. ``top_rank``: the largest rank in the batch (R if None)."""
+def random_case(case, seed, top_rank=None):
+    """Random inputs of a case: ranks up to ``top_rank`` (R if None) with an empty slot (when S > 2),
+    tokens of no adapter; returns (mapping, ranks, As, Bs, x, y0, base) where ``base`` marks the tokens
+    that get no delta."""
     T, S, R, n_in, outs, xdt, wdt, ydt = case
     skip_interpreted_bf16(compute_dtype(xdt, wdt))  # the dots' dtype: bf16 loads convert fine
     g = torch.Generator().manual_seed(seed)
@@ -108,7 +114,29 @@ def check_add_lora_linear(case, seed, shrink_reduces=True, top_rank=None) -> Seg
     As, Bs = tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
     x = torch.randn(T, n_in, generator=g).to(DEV, xdt)
     y0 = torch.randn(T, sum(outs), generator=g).to(DEV, ydt)
+    base = torch.tensor([s < 0 or ranks[s] == 0 for s in slots], device=DEV)
+    return mapping, ranks, As, Bs, x, y0, base
 
+
+def assert_delta_matches(y, y0, ref, base, xdt, wdt, ydt) -> None:
+    """y = y0 + delta equals the reference ``ref`` (fp32): tokens of no adapter bit-identical, the delta
+    within 1e-5 (all fp32) or 1e-2, a half-precision y rounded once."""
+    assert torch.equal(y[base], y0[base]), "tokens without an adapter must be untouched"
+    if ydt == torch.float32:
+        tol = 1e-5 if wdt == torch.float32 and xdt == torch.float32 else 1e-2
+        err = rel_err((y.float() - y0.float())[~base], (ref - y0.float())[~base])
+        assert err < tol, f"rel err {err}"
+    else:  # rounded once into the layer's dtype, as (y.float() + delta).to(dtype)
+        err = rel_err(y.float(), ref.to(ydt).float())
+        assert err < 1e-2, f"rel err {err}"
+        assert (y.float() - ref).abs().max().item() <= 2 * (ref.abs().max().item() * 2**-7 + 1e-3)
+    assert torch.isfinite(y).all()
+
+
+def check_add_lora_linear(case, seed, shrink_reduces=True, top_rank=None) -> SegmentMeta:
+    """add_lora_linear on random data (ranks with an empty slot, tokens of no adapter) equals the torch
+    reference; returns the mapping's kernel view. ``top_rank``: the largest rank in the batch (R if None)."""
+    mapping, ranks, As, Bs, x, y0, base = random_case(case, seed, top_rank)
     ref = reference(y0, x, As, Bs, mapping.token_segments, ranks)
     y = y0.clone()
     ops = TritonLoRAOps(DEV)
@@ -116,19 +144,7 @@ def check_add_lora_linear(case, seed, shrink_reduces=True, top_rank=None) -> Seg
     meta = meta_of(mapping)
     ops.add_lora_linear(y, x, As, Bs, ranks, meta)
     sync()
-
-    base = torch.tensor([s < 0 or ranks[s] == 0 for s in slots], device=DEV)
-    assert torch.equal(y[base], y0[base]), "tokens without an adapter must be untouched"
-    delta, ref_delta = y.float() - y0.float(), ref - y0.float()
-    if ydt == torch.float32:
-        tol = 1e-5 if wdt == torch.float32 and xdt == torch.float32 else 1e-2
-        err = rel_err(delta[~base], ref_delta[~base])
-        assert err < tol, f"rel err {err}"
-    else:  # rounded once into the layer's dtype, as (y.float() + delta).to(dtype)
-        err = rel_err(y.float(), ref.to(ydt).float())
-        assert err < 1e-2, f"rel err {err}"
-        assert (y.float() - ref).abs().max().item() <= 2 * (ref.abs().max().item() * 2**-7 + 1e-3)
-    assert torch.isfinite(y).all()
+    assert_delta_matches(y, y0, ref, base, *case[5:])
     return meta
 
 
@@ -142,11 +158,13 @@ def check_add_lora_linear(case, seed, shrink_reduces=True, top_rank=None) -> Seg
     ids=["decode-R48-top33", "prefill-R48-top33", "prefill-R64-top20"],
 )
 @pytest.mark.parametrize("shrink_reduces", [False, True], ids=["planes-summed-by-expand", "summed-by-shrink"])
-def test_add_lora_linear_batch_ranks_below_R(case, top_rank, shrink_reduces):
+def test_add_lora_linear_batch_ranks_below_R(case, top_rank, shrink_reduces, monkeypatch):
     """Every rank in the batch below the stacks' R (48 or 64, multiples of the shrink's 16-column rank block):
     the output still equals the reference when the shrink's grid covers only the batch's largest rank and
     its stores drop the r < R mask (EVEN_R). (Columns past every rank are never read here; the zero-filled
-    R = 48 case in test_decode_linear.py reads them all.)"""
+    R = 48 case in test_decode_linear.py reads them all.) planes-summed-by-expand: two launches at prefill."""
+    if not shrink_reduces:
+        monkeypatch.setattr(prefill_mod, "ENABLED", False)
     check_add_lora_linear(case, 0, shrink_reduces, top_rank=top_rank)
 
 
@@ -303,8 +321,9 @@ PREFILL_TILES = [  # (shrink, expand) tiles the prefill sweep (bench_lora_kernel
     ids=lambda c: f"T{c[0]}-{c[5]}",
 )
 def test_prefill_tiles_match_reference(tiles, case, monkeypatch):
-    """Segments longer than 32 tokens take the PREFILL tiles: every candidate gives the reference's delta
-    (a one-slice layer takes PREFILL_ONE_SLICE whatever PREFILL is)."""
+    """With the one-launch path off, segments longer than 32 tokens take the PREFILL tiles: every candidate
+    gives the reference's delta (a one-slice layer takes PREFILL_ONE_SLICE whatever PREFILL is)."""
+    monkeypatch.setattr(prefill_mod, "ENABLED", False)
     from loraserve.lora.ops.triton import lora_expand as expand_mod
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
