@@ -36,6 +36,8 @@
 #   bash benchmarks/gpu/run_device.sh e2e-dtypes  # bench_e2e Llama-8B without HF: auto (fp16 LoRA weights), float32, bfloat16
 #   bash benchmarks/gpu/run_device.sh trace     # LoRA decode kernel tests, bench_decode_linear --trace (kernel
 #                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
+#   bash benchmarks/gpu/run_device.sh fused     # the LoRA kernel tests (one-launch prefill too), the 4096-token rows (one launch
+#                                               vs shrink + expand), then the one-launch tile sweep (TUNE_DTYPES, fp16 default)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -174,6 +176,11 @@ for stage in "$@"; do
             ;;
         e2e-dtypes)
             timeout 400 python3 benchmarks/gpu/bench_e2e.py --shapes "${E2E_SHAPES:-llama-3.1-8b}" --skip-hf --lora-dtypes float32,bfloat16 --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A9 "^| model\|parity max\|greedy ids\|replay"
+            ;;
+        fused)
+            timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_lora_prefill.py tests/gpu/test_triton_lora.py 2>&1 | tail -6 | tee "$OUT/lora_tests.txt"
+            timeout 100 python3 benchmarks/gpu/bench_lora_kernels.py --prefill-only --json "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.txt" | grep -A14 "copy\|^| prefill op"
+            timeout 330 python3 benchmarks/gpu/bench_lora_kernels.py --tune-fused "${TUNE_GRID:-default}" --tune-dtypes "${TUNE_DTYPES:-float16}" --prefill-only --json "$OUT/fused_tuned.json" 2>&1 | grep -v "^|---" | tee "$OUT/fused_tuned.txt" | grep -v "skipped" | grep -A14 "^| \|^fused\|^| prefill op"
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"
