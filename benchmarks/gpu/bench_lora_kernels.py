@@ -421,9 +421,11 @@ def tune_fused(bw: float, dtypes: tuple[torch.dtype, ...], grid: str = "default"
             meta, As, Bs, x, y0, ranks = prefill_inputs(wdtype, T, S, K, outs, rank)
             ops = TritonLoRAOps(DEV)
             prefill_mod.ENABLED = False
-            ref = y0.clone()
-            ops.add_lora_linear(ref, x, As, Bs, [rank] * S, meta)
-            prefill_mod.ENABLED = True
+            try:
+                ref = y0.clone()
+                ops.add_lora_linear(ref, x, As, Bs, [rank] * S, meta)
+            finally:
+                prefill_mod.ENABLED = True
             w = torch.finfo(wdtype).bits // 8
             nbytes = T * K * 2 + 2 * T * sum(outs) * 2 + S * rank * (len(outs) * K + sum(outs)) * w
             y = y0.clone()
