@@ -8,6 +8,8 @@ a rank-0 slot, slices that are not multiples of the column tile. Runs on CUDA or
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -73,8 +75,8 @@ def test_one_launch_prefill_at_an_offset_into_a_wider_y():
 
 
 def test_add_lora_linear_takes_one_launch_at_prefill_only(monkeypatch):
-    """TritonLoRAOps.add_lora_linear takes the one-launch path for prefill-size segments with ranks up to
-    MAX_RANK, the two launches for decode sizes, larger ranks, and with the knob off."""
+    """TritonLoRAOps.add_lora_linear takes two launches by default; with the knob on, the one-launch path
+    for prefill-size segments with ranks up to MAX_RANK, still two launches for decode sizes and larger ranks."""
     calls = []
     real = prefill_mod.lora_prefill
     monkeypatch.setattr(prefill_mod, "lora_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -91,8 +93,11 @@ def test_add_lora_linear_takes_one_launch_at_prefill_only(monkeypatch):
         calls.clear()
         return took
 
-    assert run(T=120, R=16), "prefill-size segments take one launch"
+    if "LORASERVE_FUSED_PREFILL" not in os.environ:
+        assert not run(T=120, R=16), "off by default: prefill takes the shrink and the expand"
+    monkeypatch.setattr(prefill_mod, "ENABLED", True)
+    assert run(T=120, R=16), "with the knob on, prefill-size segments take one launch"
     assert not run(T=40, R=16, S=4), "decode-size segments (<= 32 tokens) take the shrink and the expand"
     assert not run(T=120, R=prefill_mod.MAX_RANK * 2), "ranks past MAX_RANK take two launches"
     monkeypatch.setattr(prefill_mod, "ENABLED", False)
-    assert not run(T=120, R=16), "LORASERVE_FUSED_PREFILL=0 turns it off"
+    assert not run(T=120, R=16), "the knob off again: two launches"

@@ -66,8 +66,8 @@ class TritonLoRAOps:
     ) -> None:
         """y (T, sum N_i) += per-slice B_i(A_i x) per token's slot; y fp32 or the layer's dtype (rounded once).
 
-        Prefill-size segments take one launch (``lora_prefill``: the expand overlaps the shrink), decode
-        sizes the shrink and the expand (PDL-chained)."""
+        The shrink then the expand (PDL-chained); with LORASERVE_FUSED_PREFILL=1 prefill-size segments
+        take ``lora_prefill``'s one launch instead (measured slower on an H100, so opt-in)."""
         assert meta is not None, "the LoRA mapping has no SegmentMeta: build it with a CUDA device"
         rank_dev = self.ranks_tensor(ranks)
         max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)

@@ -10,8 +10,7 @@ for fp32 B and for fp16 B with bf16 activations), multiplies, accumulates in fp3
   which equals ``(y.float() + delta).to(y.dtype)`` without the two extra passes over y.
 
 Each output element belongs to exactly one token, hence one slot and one program: no atomics.
-(Prefill normally takes ``lora_prefill``'s one launch, whose expand items pick their slice with
-``tile_slice`` as here.)
+(``lora_prefill``'s opt-in one launch picks its expand items' slice with ``tile_slice`` as here.)
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ Counters (``persistent_buffer``, zero between launches): the ticket counter, put
 program that takes the last ticket; per token block a ``ready`` and a ``consumed`` counter, both put back
 to zero by the block's last expand item (all its splits arrived, all its readers passed their wait).
 
+Opt-in (``ENABLED``, LORASERVE_FUSED_PREFILL=1): on the GPU it was measured slower than the two
+launches for every op and dtype tried (see ``ENABLED``), so it stays for experiments and other GPUs.
+
 Numerics: exactly ``lora_shrink`` + ``lora_expand``'s (the products in ``precision.compute_dtype``, s in
 fp32 summed over planes in order, rounded to the products' dtype before the expand, y rounded once).
 """
@@ -197,13 +200,14 @@ def _lora_prefill_kernel(
 @dataclass(frozen=True)
 class FusedPrefillTiles:
     """The one-launch prefill's tiles. A knob: ``bench_lora_kernels.py --tune-fused`` sweeps it at 4096
-    tokens. ``programs``: K is split (at most K / (4 * block_k) ways) until the shrink items reach it."""
+    tokens (the defaults: its pick on an H100, session 17, over qkv / o / gate_up / down with fp16
+    weights). ``programs``: K is split (at most K / (4 * block_k) ways) until the shrink items reach it."""
 
     block_m: int = 64
     block_k: int = 64
-    block_n: int = 128
+    block_n: int = 256
     programs: int = 256
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 3
 
 
@@ -211,8 +215,10 @@ FUSED = FusedPrefillTiles()
 # the most rank columns per slice the fused kernel keeps in registers (its three accumulators); larger
 # ranks take the two-launch path
 MAX_RANK = 64
-# LORASERVE_FUSED_PREFILL=0 turns the one-launch path off (``TritonLoRAOps.add_lora_linear``)
-ENABLED = os.environ.get("LORASERVE_FUSED_PREFILL", "1") != "0"
+# Opt-in (LORASERVE_FUSED_PREFILL=1): measured on an H100 (session 17, 4096 tokens, 8 adapters) the one
+# launch took 1.04-1.38x the time of shrink + expand for qkv, o, gate_up and down in every weight dtype,
+# its tiles swept too (BENCHMARKS.md), so ``TritonLoRAOps.add_lora_linear`` takes two launches by default.
+ENABLED = os.environ.get("LORASERVE_FUSED_PREFILL", "0") == "1"
 
 
 def applies(meta: SegmentMeta, R: int, n_slices: int) -> bool:

@@ -23,9 +23,8 @@ tail, and x after it. A program of half-precision A (bf16, or fp16: auto's GPU s
 models) computes every slice of its tile (``DECODE_FUSE_SLICES``) and loads A after the wait (measured
 faster that way, session 10; with fp16 A, 16.2 against 17.6 µs a layer with fp32's knobs, session 14).
 Prefill (segments longer than 32 tokens) takes ``PREFILL``'s tiles, where by default a program owns
-every slice of its tile and loads each tile of x once for all of them. (The engine runs prefill with
-``lora_prefill``'s one launch, shrink and expand together, sharing ``slices_dot``; this path serves it
-with that off, and ranks past its MAX_RANK.)
+every slice of its tile and loads each tile of x once for all of them. (``lora_prefill``'s opt-in one
+launch, shrink and expand together, shares ``slices_dot``; measured slower, it is off by default.)
 
 NOTE: bf16 x with fp16 A (auto's GPU storage) multiplies in tf32 (``utils.compute_dtype_of``). Splitting
 A into two bf16 halves instead (hi + lo: the same exact products, two bf16 MMAs, x left in bf16) was
