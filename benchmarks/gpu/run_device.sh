@@ -38,6 +38,8 @@
 #                                               timestamps per op), --matrix rows default, bf16 LoRA, bf16 LoRA, neither (MATRIX_ROWS sets them)
 #   bash benchmarks/gpu/run_device.sh fused     # the LoRA kernel tests (one-launch prefill too), the 4096-token rows (one launch
 #                                               vs shrink + expand), then the one-launch tile sweep (TUNE_DTYPES, fp16 default)
+#   bash benchmarks/gpu/run_device.sh steady    # the LoRA kernel tests, then steady_state.py (the 4096-token ops timed after do_bench's
+#                                               L2 flush and back to back)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -181,6 +183,10 @@ for stage in "$@"; do
             timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_lora_prefill.py tests/gpu/test_triton_lora.py 2>&1 | tail -6 | tee "$OUT/lora_tests.txt"
             timeout 100 python3 benchmarks/gpu/bench_lora_kernels.py --prefill-only --json "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.txt" | grep -A14 "copy\|^| prefill op"
             timeout 330 python3 benchmarks/gpu/bench_lora_kernels.py --tune-fused "${TUNE_GRID:-default}" --tune-dtypes "${TUNE_DTYPES:-float16}" --prefill-only --json "$OUT/fused_tuned.json" 2>&1 | grep -v "^|---" | tee "$OUT/fused_tuned.txt" | grep -v "skipped" | grep -A14 "^| \|^fused\|^| prefill op"
+            ;;
+        steady)
+            timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_lora_prefill.py tests/gpu/test_triton_lora.py 2>&1 | tail -6 | tee "$OUT/lora_tests.txt"
+            timeout 240 python3 benchmarks/gpu/steady_state.py --json "$OUT/steady.json" 2>&1 | tee "$OUT/steady.txt"
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"

@@ -1,0 +1,121 @@
+"""The prefill LoRA ops timed two ways in one run: alone after triton's L2 flush, and back to back.
+
+``do_bench`` clears the L2 before each run by writing zeros over 256 MB (``cache.zero_()``), so a kernel
+timed that way starts with the L2 full of dirty lines (up to the L2's size, ~50 MB on an H100 / H200)
+that must reach DRAM before it can hold the kernel's own lines: a read-only kernel (the shrink) pays for
+writes it never made, and a kernel that writes ends while its own last dirty lines still sit in the L2.
+The copy bandwidth the tables compare against is a 2 GiB copy, where neither edge matters.
+
+``back to back``: one CUDA graph runs the op over ``SETS`` distinct sets of inputs (x, y; the LoRA
+weights shared, as a layer's are), ``LOOPS`` times over, no flush; replayed 10 times between two
+events, µs per op. No op finds its inputs in the L2 (each set is > 80 MB and the others come between),
+and each op pays for its own write-backs (the next op's time holds the previous one's, in a steady
+stream): the steady state of a model's stream of prefill kernels, and the same accounting as the 2 GiB
+copy. Floors timed the same two ways: x read once (a torch reduction) and y read and written in place.
+
+    python benchmarks/gpu/steady_state.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+from loraserve.lora.ops.triton import lora_prefill as prefill_mod
+from loraserve.lora.ops.triton.lora_shrink import lora_shrink
+from loraserve.lora.ops.triton_ops import TritonLoRAOps
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_lora_kernels import PREFILL_CASES, copy_bandwidth, graph_of, prefill_inputs  # noqa: E402
+
+DEV = torch.device("cuda")
+SETS, LOOPS = 4, 5
+
+
+def flushed_us(fn) -> float:
+    """One call from a CUDA graph, do_bench's way (L2 zeroed before each run): median µs."""
+    return do_bench(graph_of(fn).replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def steady_us(fns) -> float:
+    """µs per call of ``fns`` (one per input set) run LOOPS times over from one graph, back to back."""
+    g = graph_of(lambda: [f() for _ in range(LOOPS) for f in fns])
+    g.replay()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        runs.append(start.elapsed_time(end) * 1e3 / (10 * LOOPS * len(fns)))
+    return statistics.median(runs)
+
+
+def bench_case(ops, wdtype, name, T, S, K, outs, report, floors: bool, rank: int = 16) -> None:
+    """One op at one LoRA dtype: the default two launches, the shrink alone, the opt-in one launch (and,
+    with ``floors``, x read once and y read + written), each timed both ways."""
+    sets = [prefill_inputs(wdtype, T, S, K, outs, rank) for _ in range(SETS)]
+    meta, As, Bs, _, _, ranks = sets[0]
+    xs = [s[3] for s in sets]
+    ys = [s[4] for s in sets]
+    w = torch.finfo(wdtype).bits // 8
+    s_bytes = len(outs) * T * rank * 4  # s, fp32
+    nbytes = T * K * 2 + S * rank * (len(outs) * K + sum(outs)) * w + 2 * T * sum(outs) * 2 + 2 * s_bytes
+    if floors:
+        sums = [torch.empty(T, device=DEV) for _ in xs]
+        read_x = [lambda i=i: torch.sum(xs[i], dim=1, dtype=torch.float32, out=sums[i]) for i in range(SETS)]
+        rw_y = [lambda i=i: ys[i].mul_(1.0) for i in range(SETS)]
+        report(name, "-", T * K * 2, "x read (torch sum)", flushed_us(read_x[0]), steady_us(read_x))
+        report(name, "-", 2 * T * sum(outs) * 2, "y read + written (torch mul_)", flushed_us(rw_y[0]), steady_us(rw_y))
+    op = [lambda i=i: ops.add_lora_linear(ys[i], xs[i], As, Bs, [rank] * S, meta) for i in range(SETS)]
+    shrink = [lambda i=i: lora_shrink(xs[i], As, meta, ranks, rank) for i in range(SETS)]
+    dt = str(wdtype)[6:]
+    report(name, dt, nbytes, "shrink + expand (default)", flushed_us(op[0]), steady_us(op))
+    sb = T * K * 2 + S * rank * len(outs) * K * w + s_bytes
+    report(name, dt, sb, "shrink alone", flushed_us(shrink[0]), steady_us(shrink))
+    enabled, prefill_mod.ENABLED = prefill_mod.ENABLED, True
+    try:
+        if prefill_mod.applies(meta, rank, len(outs)):
+            report(name, dt, nbytes, "one launch (opt-in)", flushed_us(op[0]), steady_us(op))
+    finally:
+        prefill_mod.ENABLED = enabled
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = copy_bandwidth()
+    print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__}; copy {bw / 1e12:.2f} TB/s")
+    print("| op | LoRA dtype | MB | kernels | flushed µs | % copy BW | back to back µs | % copy BW |")
+    print("|---|---|---:|---|---:|---:|---:|---:|")
+    rows = []
+    ops = TritonLoRAOps(DEV)
+
+    def report(op, dtype, nbytes, kernels, f_us, s_us):
+        rows.append(dict(op=op, dtype=dtype, bytes=nbytes, kernels=kernels, flushed_us=f_us, steady_us=s_us))
+        print(f"| {op} | {dtype} | {nbytes / 1e6:.1f} | {kernels} | {f_us:.1f} | {100 * nbytes / (f_us * 1e-6) / bw:.0f}% "
+              f"| {s_us:.1f} | {100 * nbytes / (s_us * 1e-6) / bw:.0f}% |", flush=True)  # fmt: skip
+
+    done_floor = set()
+    for wdtype in (torch.bfloat16, torch.float16, torch.float32):
+        for case in PREFILL_CASES:
+            bench_case(ops, wdtype, *case, report, floors=case[0] not in done_floor)
+            done_floor.add(case[0])
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_bw": bw, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
