@@ -76,7 +76,8 @@ def bench_case(ops, wdtype, name, T, S, K, outs, report, floors: bool, rank: int
         rw_y = [lambda i=i: ys[i].mul_(1.0) for i in range(SETS)]
         report(name, "-", T * K * 2, "x read (torch sum)", flushed_us(read_x[0]), steady_us(read_x))
         report(name, "-", 2 * T * sum(outs) * 2, "y read + written (torch mul_)", flushed_us(rw_y[0]), steady_us(rw_y))
-    op = [lambda i=i: ops.add_lora_linear(ys[i], xs[i], As, Bs, [rank] * S, meta) for i in range(SETS)]
+    rank_list = [rank] * S  # one list: the ops cache its device copy by the list's id
+    op = [lambda i=i: ops.add_lora_linear(ys[i], xs[i], As, Bs, rank_list, meta) for i in range(SETS)]
     shrink = [lambda i=i: lora_shrink(xs[i], As, meta, ranks, rank) for i in range(SETS)]
     dt = str(wdtype)[6:]
     report(name, dt, nbytes, "shrink + expand (default)", flushed_us(op[0]), steady_us(op))
