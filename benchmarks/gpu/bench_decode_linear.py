@@ -169,7 +169,9 @@ def ops_pdl(device) -> bool:
 
 MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a time against the default
     "default": ("a lora_shrink launch that sums its splits, then the GEMM with the expand in its epilogue (PDL); "
-                "fp16 A and B (auto's storage for a bf16 model on the GPU), tf32 products", {}),
+                "fp16 A and B (auto's storage for a bf16 model on the GPU); the shrink's products fp16 (x cast, "
+                "lora_shrink.FP16_X), the expand's tf32", {}),
+    "tf32 shrink": ("the shrink's products in tf32 (x and A to fp32; the default before session 18)", {"fp16_x": False}),
     "fp32 LoRA": ("A and B stored in fp32 (--lora-dtype float32; auto before session 14)", {"lora_dtype": torch.float32}),
     "no PDL chain": ("the kernel before the shrink (here the GEMM) lets it launch only when it ends", {"chain": False}),
     "64 columns per MMA": ("the epilogue's MMAs over 4 slots of rank 16 (2 chunks): fewer registers",
@@ -234,7 +236,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
              triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES,
-             precision.MIXED_HALVES_IN_FP32)  # fmt: skip
+             precision.MIXED_HALVES_IN_FP32, shrink_mod.FP16_X)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -248,6 +250,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[7])
         shrink_mod.DECODE_FUSE_SLICES = knobs.get("fuse_decode", saved[8])
         precision.MIXED_HALVES_IN_FP32 = knobs.get("mixed_fp32", saved[9])
+        shrink_mod.FP16_X = knobs.get("fp16_x", saved[10])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -268,7 +271,8 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
-         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES, precision.MIXED_HALVES_IN_FP32) = saved[3:10]  # fmt: skip
+         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES, precision.MIXED_HALVES_IN_FP32,
+         shrink_mod.FP16_X) = saved[3:11]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

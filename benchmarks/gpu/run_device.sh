@@ -40,6 +40,8 @@
 #                                               vs shrink + expand), then the one-launch tile sweep (TUNE_DTYPES, fp16 default)
 #   bash benchmarks/gpu/run_device.sh steady    # the LoRA kernel tests, then steady_state.py (the 4096-token ops timed after do_bench's
 #                                               L2 flush and back to back)
+#   bash benchmarks/gpu/run_device.sh fp16x     # every GPU test, steady_state.py, --matrix rows default, tf32 shrink, bf16 LoRA
+#                                               (the shrink's fp16 products for fp16 A against tf32)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -187,6 +189,11 @@ for stage in "$@"; do
         steady)
             timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu/test_lora_prefill.py tests/gpu/test_triton_lora.py 2>&1 | tail -6 | tee "$OUT/lora_tests.txt"
             timeout 240 python3 benchmarks/gpu/steady_state.py --json "$OUT/steady.json" 2>&1 | tee "$OUT/steady.txt"
+            ;;
+        fp16x)
+            timeout 300 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt"
+            timeout 150 python3 benchmarks/gpu/steady_state.py --json "$OUT/steady.json" 2>&1 | tee "$OUT/steady.txt"
+            timeout 120 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;tf32 shrink;bf16 LoRA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt" | tail -5
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"

@@ -28,7 +28,7 @@ import torch
 from triton.testing import do_bench
 
 from loraserve.lora.ops.triton import lora_prefill as prefill_mod
-from loraserve.lora.ops.triton.lora_shrink import lora_shrink
+from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 from loraserve.lora.ops.triton_ops import TritonLoRAOps
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -78,11 +78,18 @@ def bench_case(ops, wdtype, name, T, S, K, outs, report, floors: bool, rank: int
         report(name, "-", 2 * T * sum(outs) * 2, "y read + written (torch mul_)", flushed_us(rw_y[0]), steady_us(rw_y))
     rank_list = [rank] * S  # one list: the ops cache its device copy by the list's id
     op = [lambda i=i: ops.add_lora_linear(ys[i], xs[i], As, Bs, rank_list, meta) for i in range(SETS)]
-    shrink = [lambda i=i: lora_shrink(xs[i], As, meta, ranks, rank) for i in range(SETS)]
+    shrink = [lambda i=i: shrink_mod.lora_shrink(xs[i], As, meta, ranks, rank) for i in range(SETS)]
     dt = str(wdtype)[6:]
     report(name, dt, nbytes, "shrink + expand (default)", flushed_us(op[0]), steady_us(op))
     sb = T * K * 2 + S * rank * len(outs) * K * w + s_bytes
     report(name, dt, sb, "shrink alone", flushed_us(shrink[0]), steady_us(shrink))
+    if wdtype == torch.float16:  # the shrink's products in tf32 (lora_shrink.FP16_X off; before session 18)
+        fp16_x, shrink_mod.FP16_X = shrink_mod.FP16_X, False
+        try:
+            report(name, dt, nbytes, "shrink + expand, tf32 shrink", flushed_us(op[0]), steady_us(op))
+            report(name, dt, sb, "shrink alone, tf32", flushed_us(shrink[0]), steady_us(shrink))
+        finally:
+            shrink_mod.FP16_X = fp16_x
     enabled, prefill_mod.ENABLED = prefill_mod.ENABLED, True
     try:
         if prefill_mod.applies(meta, rank, len(outs)):

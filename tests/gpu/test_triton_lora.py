@@ -332,6 +332,40 @@ def test_prefill_tiles_match_reference(tiles, case, monkeypatch):
     assert check_add_lora_linear(case, seed=3).max_seg_len > 32, "the case must take the prefill path"
 
 
+@pytest.mark.parametrize("T", [16, 200, 600], ids=["decode-size", "prefill-size", "prefill-split-k"])
+@pytest.mark.parametrize("n_slices", [1, 3])
+def test_fp16_x_shrink_products_are_exact(T, n_slices, monkeypatch):
+    """bf16 x with fp16 A (the GPU's auto storage): the shrink casts x to fp16 and multiplies in fp16
+    (``lora_shrink.FP16_X``), which holds every bf16 value in [2^-17, 65504] exactly, so its sums equal
+    the fp64 product within fp32 summation error, as the tf32 path's do; x's entries below 2^-14
+    (fp16's subnormals, some rounded) included. Decode sizes, prefill, and prefill with K split."""
+    from loraserve.lora.ops.triton import lora_shrink as shrink_mod
+
+    g = torch.Generator().manual_seed(11)
+    S, R, K = 4, 16, 4096 if T == 600 else 512
+    slots = [(t // 100) % S if T > 32 else t % S for t in range(T)]
+    meta = meta_of(LoRAMapping.build(slots, [], DEV))
+    a = [torch.randn(S, 1, R, K, generator=g) * 0.05 for _ in range(n_slices)]
+    x = torch.randn(T, K, generator=g)
+    x[:, ::5] *= 3e-5  # fp16 subnormals (below 2^-14)
+    x[:, 1::7] *= 300.0  # large, still inside fp16's range
+    x = x.to(torch.bfloat16)
+    As = tuple(t.to(DEV, torch.float16) for t in a)
+    ranks = torch.full((S,), R, dtype=torch.int32, device=DEV)
+    st = torch.tensor(slots)
+    ref = torch.stack([torch.einsum("tk,trk->tr", x.double(), t.double()[st, 0]) for t in As], dim=0)
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(shrink_mod, "FP16_X", on)
+        buf = lora_shrink(x.to(DEV), As, meta, ranks, R)
+        sync()
+        assert buf.shape[0] == 1, "the shrink sums its own splits (one plane)"
+        outs[on] = buf[0].double().cpu()
+        err = rel_err(outs[on], ref)
+        assert err < 2e-6, f"FP16_X={on}: rel err {err}"
+    assert rel_err(outs[True], outs[False]) < 2e-6
+
+
 @pytest.mark.parametrize("T", [16, 200], ids=["decode-size", "prefill-size"])
 def test_fp16_weights_take_bf16_x_beyond_fp16_range(T):
     """bf16 activations, and s = A x, past fp16's range (65504) with fp16 LoRA weights (the GPU's auto

@@ -26,12 +26,15 @@ Prefill (segments longer than 32 tokens) takes ``PREFILL``'s tiles, where by def
 every slice of its tile and loads each tile of x once for all of them. (``lora_prefill``'s opt-in one
 launch, shrink and expand together, shares ``slices_dot``; measured slower, it is off by default.)
 
-NOTE: bf16 x with fp16 A (auto's GPU storage) multiplies in tf32 (``utils.compute_dtype_of``). Splitting
-A into two bf16 halves instead (hi + lo: the same exact products, two bf16 MMAs, x left in bf16) was
-measured slower at prefill (H200, session 14, qkv at 4096 tokens: add_lora_linear 64.5 µs against
-59.7 with tf32, the shrink alone 33.3 against 21.8 with bf16 A; commit 95d816e) and spilled at decode
-(255 registers compiled for sm_90), and was removed.
-
+NOTE: bf16 x with fp16 A (auto's GPU storage) casts x to fp16 and multiplies in fp16 (``FP16_X``,
+``x_dot``): fp16 holds every bf16 value in [2^-17, 65504] exactly (8 significant bits in 11), so the
+products are exact as with tf32, without x's fp32 copy in shared memory (the tf32 shrink, session 14,
+qkv at 4096 tokens: 29.6 µs against bf16 A's 22.0). x below 2^-17 rounds to fp16's subnormal grid
+(absolute error <= 2^-25 per entry). An x past 65504 becomes inf, and its block's sums inf or NaN
+(products of finite fp16 cannot overflow fp32); a block whose sums are not finite (``overflowed``: one
+reduction after the K loop) is computed again in tf32, and those are its sums, so outliers cost time,
+never accuracy. Splitting A into two bf16 halves instead (hi + lo, two bf16 MMAs) was slower (session 14:
+33.3 µs) and spilled at decode; it was removed.
 """
 
 from __future__ import annotations
@@ -83,12 +86,28 @@ def _store_zeros(buf_ptr, meta_ptr, seg_start, seg_len, m0, r0, split, sl, R, st
 
 
 @triton.jit
-def slices_dot(x_row, a0_ptr, a1_ptr, a2_ptr, a_off, m_mask, r_mask, k_begin, k_per_split, K, stride_xk, stride_ak,
-               NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-               CDT: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """(x A_i^T) of a token block (rows ``x_row``) over K in [k_begin, k_begin + k_per_split) for every
-    slice, fp32 (slices past NUM_SLICES zeros): each tile of x loaded once for all of them. A's columns
-    past ``r_mask`` read as zeros."""
+def x_dot(xt, at, CDT: tl.constexpr, IEEE: tl.constexpr, X16: tl.constexpr):
+    """xt @ at in fp32: with X16 (bf16 x, fp16 A) x is cast to fp16 and the tensor cores multiply fp16 (exact
+    for |x| in [2^-17, 65504]; an x past 65504 becomes inf, which ``overflowed`` sees); else ``dot_in``."""
+    if X16:
+        out = tl.dot(xt.to(tl.float16), at)
+    else:
+        out = dot_in(xt, at, CDT, IEEE)
+    return out
+
+
+@triton.jit
+def overflowed(acc):
+    """Whether a tile of fp32 sums holds inf or NaN: what an x past fp16's range leaves behind in an X16
+    product (fp16 products of finite values cannot overflow fp32: 65504^2 < 2^32)."""
+    ok = tl.abs(acc) <= 3.4028234663852886e38  # false for inf and NaN
+    return tl.min(tl.min(ok.to(tl.int32), axis=1), axis=0) == 0
+
+
+@triton.jit
+def _slices_loop(x_row, a0_ptr, a1_ptr, a2_ptr, a_off, m_mask, r_mask, k_begin, k_per_split, K, stride_xk, stride_ak,
+                 NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                 CDT: tl.constexpr, IEEE: tl.constexpr, X16: tl.constexpr):  # fmt: skip
     offs_k = tl.arange(0, BLOCK_K)
     acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -99,11 +118,29 @@ def slices_dot(x_row, a0_ptr, a1_ptr, a2_ptr, a_off, m_mask, r_mask, k_begin, k_
         xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         a_mask = k_mask[:, None] & r_mask[None, :]
         a_k = a_off + kk[:, None] * stride_ak
-        acc0 += dot_in(xt, tl.load(a0_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
+        acc0 += x_dot(xt, tl.load(a0_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE, X16)
         if NUM_SLICES > 1:
-            acc1 += dot_in(xt, tl.load(a1_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
+            acc1 += x_dot(xt, tl.load(a1_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE, X16)
         if NUM_SLICES > 2:
-            acc2 += dot_in(xt, tl.load(a2_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE)
+            acc2 += x_dot(xt, tl.load(a2_ptr + a_k, mask=a_mask, other=0.0), CDT, IEEE, X16)
+    return acc0, acc1, acc2
+
+
+@triton.jit
+def slices_dot(x_row, a0_ptr, a1_ptr, a2_ptr, a_off, m_mask, r_mask, k_begin, k_per_split, K, stride_xk, stride_ak,
+               NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+               CDT: tl.constexpr, IEEE: tl.constexpr, X16: tl.constexpr = False):  # fmt: skip
+    """(x A_i^T) of a token block (rows ``x_row``) over K in [k_begin, k_begin + k_per_split) for every
+    slice, fp32 (slices past NUM_SLICES zeros): each tile of x loaded once for all of them. A's columns
+    past ``r_mask`` read as zeros. X16: fp16 products (``x_dot``); a block whose sums came out non-finite
+    (an x past fp16's range) is computed again in CDT (tf32), which is the result."""
+    acc0, acc1, acc2 = _slices_loop(x_row, a0_ptr, a1_ptr, a2_ptr, a_off, m_mask, r_mask, k_begin, k_per_split, K,
+                                    stride_xk, stride_ak, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, CDT, IEEE, X16)  # fmt: skip
+    if X16:
+        if overflowed(acc0 + acc1 + acc2):
+            acc0, acc1, acc2 = _slices_loop(x_row, a0_ptr, a1_ptr, a2_ptr, a_off, m_mask, r_mask, k_begin,
+                                            k_per_split, K, stride_xk, stride_ak, NUM_SLICES, BLOCK_M, BLOCK_K,
+                                            BLOCK_R, CDT, IEEE, False)  # fmt: skip
     return acc0, acc1, acc2
 
 
@@ -112,8 +149,8 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
                        stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm,
                        R, NUM_SLICES: tl.constexpr, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, CDT: tl.constexpr,
-                       IEEE: tl.constexpr, USE_PDL: tl.constexpr, EVEN_R: tl.constexpr, slot, seg, seg_start,
-                       seg_len, rank, rblock, split, pid_m):  # fmt: skip
+                       IEEE: tl.constexpr, X16: tl.constexpr, USE_PDL: tl.constexpr, EVEN_R: tl.constexpr, slot,
+                       seg, seg_start, seg_len, rank, rblock, split, pid_m):  # fmt: skip
     """FUSE_SLICES (prefill, and decode with half-precision A): one program computes the tile (BLOCK_M tokens, BLOCK_R ranks, its K split) of
     every slice, each tile of x loaded once for all of them; then the same stores and split sum as a
     one-slice program, with one arrival for the slices together."""
@@ -130,7 +167,7 @@ def _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc0, acc1, acc2 = slices_dot(x_row, a0_ptr, a1_ptr, a2_ptr, a_off, m_mask, r_mask, k_begin, k_per_split, K,
-                                  stride_xk, stride_ak, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, CDT, IEEE)  # fmt: skip
+                                  stride_xk, stride_ak, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, CDT, IEEE, X16)  # fmt: skip
     out = buf_ptr + tok[:, None] * stride_bm + offs_r[None, :]  # slice 0, plane 0
     out_mask = _out_mask(m_mask, offs_r, R, EVEN_R)
     tl.store(out + split * stride_bsp, acc0, mask=out_mask)
@@ -154,8 +191,8 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
                       stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
                       NUM_SLICES: tl.constexpr, NUM_RBLOCKS, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_R: tl.constexpr, RED: tl.constexpr, REDUCE: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                      CDT: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr, EVEN_R: tl.constexpr, slot, seg,
-                      seg_start, seg_len, rank, rblock, split, sl, pid_m):  # fmt: skip
+                      CDT: tl.constexpr, IEEE: tl.constexpr, X16: tl.constexpr, USE_PDL: tl.constexpr,
+                      EVEN_R: tl.constexpr, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m):  # fmt: skip
     """A program that owns one slice of its tile (decode with fp32 A, and prefill of one-slice layers)."""
     r0 = rblock * BLOCK_R
     m0 = pid_m * BLOCK_M
@@ -177,7 +214,8 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     k_begin = split * k_per_split
     x_row = x_ptr + tok[:, None] * stride_xm
-    a_base = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar
+    a_off = slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar
+    a_base = a_ptr + a_off
     if ONE_CHUNK:
         kk = k_begin + offs_k
         k_mask = kk < K
@@ -186,18 +224,16 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()  # the expand may launch now; it waits for us before reading buf
         xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = dot_in(xt, at, CDT, IEEE)
+        acc = x_dot(xt, at, CDT, IEEE, X16)
+        if X16:
+            if overflowed(acc):  # an x past fp16's range: this tile in tf32 (see slices_dot)
+                acc = dot_in(xt, at, CDT, IEEE)
     else:
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k in range(0, k_per_split, BLOCK_K):
-            kk = k_begin + k + offs_k
-            k_mask = kk < K
-            xt = tl.load(x_row + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            at = tl.load(a_base + kk[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-            acc += dot_in(xt, at, CDT, IEEE)
+        acc, _, _ = slices_dot(x_row, a_ptr, a_ptr, a_ptr, a_off, m_mask, r_mask, k_begin, k_per_split, K, stride_xk,
+                               stride_ak, 1, BLOCK_M, BLOCK_K, BLOCK_R, CDT, IEEE, X16)  # fmt: skip
     out = buf_ptr + sl * stride_bi + tok[:, None] * stride_bm + offs_r[None, :]  # plane 0
     out_mask = _out_mask(m_mask, offs_r, R, EVEN_R)  # zeros past the rank (A masked there)
     tl.store(out + split * stride_bsp, acc, mask=out_mask)
@@ -252,6 +288,7 @@ def _lora_shrink_kernel(
     FUSE_SLICES: tl.constexpr,  # a program computes every slice of its tile (x read once), not one
     CDT: tl.constexpr,
     IEEE: tl.constexpr,
+    X16: tl.constexpr,  # bf16 x, fp16 A: fp16 products, a block with an x past fp16's range again in CDT
     USE_PDL: tl.constexpr,
     EVEN_R: tl.constexpr,  # R % BLOCK_R == 0: every rank column of the grid exists (_out_mask)
 ):
@@ -285,12 +322,12 @@ def _lora_shrink_kernel(
         _shrink_all_slices(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split,
                            stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi,
                            stride_bm, R, NUM_SLICES, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, CDT,
-                           IEEE, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
+                           IEEE, X16, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, pid_m)  # fmt: skip
     else:
         _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr, S, K, k_per_split, stride_xm,
                           stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
                           NUM_SLICES, NUM_RBLOCKS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, ONE_CHUNK, CDT,
-                          IEEE, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m)  # fmt: skip
+                          IEEE, X16, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m)  # fmt: skip
 
 
 # Tuning knobs (module attributes, so that benchmarks/gpu/bench_decode_linear.py --matrix can sweep them):
@@ -314,6 +351,10 @@ def _fuse_env(value: str | None) -> bool | None:
 
 # the decode K block for K <= 8192 and beyond (LORASERVE_SHRINK_DECODE_BLOCK_K="256,512" sets it)
 DECODE_BLOCK_K = _decode_block_k(os.environ.get("LORASERVE_SHRINK_DECODE_BLOCK_K", "256,512"))
+# bf16 x with fp16 A (auto's GPU storage for bf16 models): x cast to fp16 and fp16 products (x_dot), a
+# block whose sums come out non-finite (an x past 65504) computed again in tf32; False: always tf32.
+# LORASERVE_SHRINK_FP16_X=0 turns it off.
+FP16_X = os.environ.get("LORASERVE_SHRINK_FP16_X", "1") != "0"
 PREFETCH_A = True  # at decode sizes, a one-slice program loads its tile of A before the PDL wait
 # At decode sizes, whether a program computes every slice of its tile (x loaded once; a third of the
 # programs for qkv, half for gate_up; A loaded after the PDL wait). None: for half-precision A only.
@@ -466,6 +507,7 @@ def lora_shrink(
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
         ZERO_FILL=zero_fill, FUSE_SLICES=fuse,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
+        X16=FP16_X and x.dtype == torch.bfloat16 and a0.dtype == torch.float16,
         USE_PDL=pdl, EVEN_R=R % block_r == 0, launch_pdl=pdl, **launch,
     )  # fmt: skip
     return buf[:1] if reduce else buf
