@@ -351,9 +351,11 @@ def _fuse_env(value: str | None) -> bool | None:
 
 # the decode K block for K <= 8192 and beyond (LORASERVE_SHRINK_DECODE_BLOCK_K="256,512" sets it)
 DECODE_BLOCK_K = _decode_block_k(os.environ.get("LORASERVE_SHRINK_DECODE_BLOCK_K", "256,512"))
-# bf16 x with fp16 A (auto's GPU storage for bf16 models): x cast to fp16 and fp16 products (x_dot), a
-# block whose sums come out non-finite (an x past 65504) computed again in tf32; False: always tf32.
-# LORASERVE_SHRINK_FP16_X=0 turns it off.
+# Prefill with bf16 x and fp16 A (auto's GPU storage for bf16 models): x cast to fp16 and fp16 products
+# (x_dot), a block whose sums come out non-finite (an x past 65504) computed again in tf32; False: always
+# tf32. Decode sizes keep tf32: there the fp16 path measured slower (H200, session 18, --matrix: LoRA
+# cost 22.1 against 15.7 µs a layer; down 9.3 against 4.1), at prefill faster (qkv's shrink at 4096
+# tokens 17.0 against 24.1 µs back to back). LORASERVE_SHRINK_FP16_X=0 turns it off.
 FP16_X = os.environ.get("LORASERVE_SHRINK_FP16_X", "1") != "0"
 PREFETCH_A = True  # at decode sizes, a one-slice program loads its tile of A before the PDL wait
 # At decode sizes, whether a program computes every slice of its tile (x loaded once; a third of the
@@ -507,7 +509,7 @@ def lora_shrink(
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
         ZERO_FILL=zero_fill, FUSE_SLICES=fuse,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
-        X16=FP16_X and x.dtype == torch.bfloat16 and a0.dtype == torch.float16,
+        X16=FP16_X and prefill and x.dtype == torch.bfloat16 and a0.dtype == torch.float16,
         USE_PDL=pdl, EVEN_R=R % block_r == 0, launch_pdl=pdl, **launch,
     )  # fmt: skip
     return buf[:1] if reduce else buf
