@@ -60,13 +60,21 @@ def steady_us(fns) -> float:
     return statistics.median(runs)
 
 
+def op_sets(ops, wdtype, T, S, K, outs, rank):
+    """SETS input sets of one prefill case sharing its LoRA weights: (the op on each set, xs, ys, meta, As,
+    the ranks on the device)."""
+    sets = [prefill_inputs(wdtype, T, S, K, outs, rank) for _ in range(SETS)]
+    meta, As, Bs, _, _, ranks = sets[0]
+    xs, ys = [s[3] for s in sets], [s[4] for s in sets]
+    rank_list = [rank] * S  # one list: the ops cache its device copy by the list's id
+    op = [lambda i=i: ops.add_lora_linear(ys[i], xs[i], As, Bs, rank_list, meta) for i in range(SETS)]
+    return op, xs, ys, meta, As, ranks
+
+
 def bench_case(ops, wdtype, name, T, S, K, outs, report, floors: bool, rank: int = 16) -> None:
     """One op at one LoRA dtype: the default two launches, the shrink alone, the opt-in one launch (and,
     with ``floors``, x read once and y read + written), each timed both ways."""
-    sets = [prefill_inputs(wdtype, T, S, K, outs, rank) for _ in range(SETS)]
-    meta, As, Bs, _, _, ranks = sets[0]
-    xs = [s[3] for s in sets]
-    ys = [s[4] for s in sets]
+    op, xs, ys, meta, As, ranks = op_sets(ops, wdtype, T, S, K, outs, rank)
     w = torch.finfo(wdtype).bits // 8
     s_bytes = len(outs) * T * rank * 4  # s, fp32
     nbytes = T * K * 2 + S * rank * (len(outs) * K + sum(outs)) * w + 2 * T * sum(outs) * 2 + 2 * s_bytes
@@ -76,8 +84,6 @@ def bench_case(ops, wdtype, name, T, S, K, outs, report, floors: bool, rank: int
         rw_y = [lambda i=i: ys[i].mul_(1.0) for i in range(SETS)]
         report(name, "-", T * K * 2, "x read (torch sum)", flushed_us(read_x[0]), steady_us(read_x))
         report(name, "-", 2 * T * sum(outs) * 2, "y read + written (torch mul_)", flushed_us(rw_y[0]), steady_us(rw_y))
-    rank_list = [rank] * S  # one list: the ops cache its device copy by the list's id
-    op = [lambda i=i: ops.add_lora_linear(ys[i], xs[i], As, Bs, rank_list, meta) for i in range(SETS)]
     shrink = [lambda i=i: shrink_mod.lora_shrink(xs[i], As, meta, ranks, rank) for i in range(SETS)]
     dt = str(wdtype)[6:]
     report(name, dt, nbytes, "shrink + expand (default)", flushed_us(op[0]), steady_us(op))
@@ -98,9 +104,57 @@ def bench_case(ops, wdtype, name, T, S, K, outs, report, floors: bool, rank: int
         prefill_mod.ENABLED = enabled
 
 
+def sweep_expand(ops, bw: float) -> None:
+    """The expand's prefill tiles (``lora_expand.PREFILL``) timed back to back in the whole op, fp16 LoRA
+    weights (auto's GPU storage), every 4096-token case; each candidate's y checked against the default's.
+    Prints each case's best and the candidate with the least time summed over the cases."""
+    import itertools
+
+    from loraserve.lora.ops.triton import lora_expand as expand_mod
+
+    default = expand_mod.PREFILL
+    grid = [expand_mod.PrefillTiles(block_m=bm, block_n=bn, num_warps=w)
+            for bm, bn, w in itertools.product((16, 32, 64, 128), (64, 128, 256), (2, 4, 8))
+            if bm * bn <= 128 * 128 and bm * bn >= 16 * 128]  # fmt: skip
+    total = {t: 0.0 for t in grid}
+    print("| op | expand tiles (block_m, block_n, warps) | back to back µs | % copy BW | default µs |")
+    print("|---|---|---:|---:|---:|")
+    for name, T, S, K, outs in PREFILL_CASES:
+        rank = 16
+        op, _, ys, _, _, _ = op_sets(ops, torch.float16, T, S, K, outs, rank)
+        nbytes = T * K * 2 + S * rank * (len(outs) * K + sum(outs)) * 2 + 2 * T * sum(outs) * 2 + 2 * len(outs) * T * rank * 4
+        y0 = ys[0].clone()
+        expand_mod.PREFILL = default
+        op[0]()
+        want = ys[0].float().clone()
+        d_us = steady_us(op)
+        best = None
+        for t in grid:
+            expand_mod.PREFILL = t
+            ys[0].copy_(y0)
+            op[0]()
+            torch.cuda.synchronize()
+            err = ((ys[0].float() - want).norm() / want.norm()).item()
+            us = steady_us(op) if err < 1e-6 else float("inf")
+            total[t] += us
+            if best is None or us < best[0]:
+                best = (us, t)
+        expand_mod.PREFILL = default
+        us, t = best
+        print(f"| {name} | {t.block_m}, {t.block_n}, {t.num_warps} | {us:.1f} | {100 * nbytes / (us * 1e-6) / bw:.0f}% "
+              f"| {d_us:.1f} |", flush=True)  # fmt: skip
+        del ys, op
+        torch.cuda.empty_cache()
+    ranked = sorted(total.items(), key=lambda kv: kv[1])
+    print("summed over the cases, best 5: " + "; ".join(
+        f"({t.block_m}, {t.block_n}, {t.num_warps}) {us:.1f}" for t, us in ranked[:5]) +
+        f"; default {total.get(default, float('nan')):.1f}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep-expand", action="store_true", help="only the expand's tile sweep, back to back")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
@@ -109,6 +163,9 @@ def main() -> None:
     print("|---|---|---:|---|---:|---:|---:|---:|")
     rows = []
     ops = TritonLoRAOps(DEV)
+    if args.sweep_expand:
+        sweep_expand(ops, bw)
+        return
 
     def report(op, dtype, nbytes, kernels, f_us, s_us):
         rows.append(dict(op=op, dtype=dtype, bytes=nbytes, kernels=kernels, flushed_us=f_us, steady_us=s_us))
