@@ -61,20 +61,21 @@ def steady_us(fns) -> float:
 
 
 def op_sets(ops, wdtype, T, S, K, outs, rank):
-    """SETS input sets of one prefill case sharing its LoRA weights: (the op on each set, xs, ys, meta, As,
-    the ranks on the device)."""
+    """SETS input sets of one prefill case sharing its LoRA weights: (the op on each set, the shrink alone on
+    each set, xs, ys, meta)."""
     sets = [prefill_inputs(wdtype, T, S, K, outs, rank) for _ in range(SETS)]
     meta, As, Bs, _, _, ranks = sets[0]
     xs, ys = [s[3] for s in sets], [s[4] for s in sets]
     rank_list = [rank] * S  # one list: the ops cache its device copy by the list's id
     op = [lambda i=i: ops.add_lora_linear(ys[i], xs[i], As, Bs, rank_list, meta) for i in range(SETS)]
-    return op, xs, ys, meta, As, ranks
+    shrink = [lambda i=i: shrink_mod.lora_shrink(xs[i], As, meta, ranks, rank) for i in range(SETS)]
+    return op, shrink, xs, ys, meta
 
 
 def bench_case(ops, wdtype, name, T, S, K, outs, report, floors: bool, rank: int = 16) -> None:
     """One op at one LoRA dtype: the default two launches, the shrink alone, the opt-in one launch (and,
     with ``floors``, x read once and y read + written), each timed both ways."""
-    op, xs, ys, meta, As, ranks = op_sets(ops, wdtype, T, S, K, outs, rank)
+    op, shrink, xs, ys, meta = op_sets(ops, wdtype, T, S, K, outs, rank)
     w = torch.finfo(wdtype).bits // 8
     s_bytes = len(outs) * T * rank * 4  # s, fp32
     nbytes = T * K * 2 + S * rank * (len(outs) * K + sum(outs)) * w + 2 * T * sum(outs) * 2 + 2 * s_bytes
@@ -84,7 +85,6 @@ def bench_case(ops, wdtype, name, T, S, K, outs, report, floors: bool, rank: int
         rw_y = [lambda i=i: ys[i].mul_(1.0) for i in range(SETS)]
         report(name, "-", T * K * 2, "x read (torch sum)", flushed_us(read_x[0]), steady_us(read_x))
         report(name, "-", 2 * T * sum(outs) * 2, "y read + written (torch mul_)", flushed_us(rw_y[0]), steady_us(rw_y))
-    shrink = [lambda i=i: shrink_mod.lora_shrink(xs[i], As, meta, ranks, rank) for i in range(SETS)]
     dt = str(wdtype)[6:]
     report(name, dt, nbytes, "shrink + expand (default)", flushed_us(op[0]), steady_us(op))
     sb = T * K * 2 + S * rank * len(outs) * K * w + s_bytes
@@ -121,7 +121,7 @@ def sweep_expand(ops, bw: float) -> None:
     print("|---|---|---:|---:|---:|")
     for name, T, S, K, outs in PREFILL_CASES:
         rank = 16
-        op, _, ys, _, _, _ = op_sets(ops, torch.float16, T, S, K, outs, rank)
+        op, _, _, ys, _ = op_sets(ops, torch.float16, T, S, K, outs, rank)
         nbytes = T * K * 2 + S * rank * (len(outs) * K + sum(outs)) * 2 + 2 * T * sum(outs) * 2 + 2 * len(outs) * T * rank * 4
         y0 = ys[0].clone()
         expand_mod.PREFILL = default
@@ -151,10 +151,53 @@ def sweep_expand(ops, bw: float) -> None:
         f"; default {total.get(default, float('nan')):.1f}")  # fmt: skip
 
 
+def sweep_shrink(ops, bw: float) -> None:
+    """The shrink's prefill tiles (``lora_shrink.PREFILL`` for 2-3 slice layers, ``PREFILL_ONE_SLICE`` for
+    one-slice ones) timed back to back on the shrink alone, fp16 LoRA weights (fp16 products), every
+    4096-token case; each candidate's s checked against the default's."""
+    import dataclasses
+    import itertools
+
+    grid = [dict(block_m=bm, block_k=bk, programs=p, num_warps=w, num_stages=st)
+            for (bm, w), bk, p, st in itertools.product(((32, 4), (64, 4), (64, 8), (128, 8)), (64, 128), (256, 512), (3, 4))
+            if bm * bk * st <= 64 * 128 * 4]  # fmt: skip
+    total = [0.0] * len(grid)
+    print("| op | shrink tiles | back to back µs | x's % copy BW | default µs |")
+    print("|---|---|---:|---:|---:|")
+    for name, T, S, K, outs in PREFILL_CASES:
+        rank = 16
+        _, shrink, _, _, _ = op_sets(ops, torch.float16, T, S, K, outs, rank)
+        attr = "PREFILL" if len(outs) > 1 else "PREFILL_ONE_SLICE"
+        default = getattr(shrink_mod, attr)
+        want = shrink[0]().clone()
+        d_us = steady_us(shrink)
+        best = None
+        try:
+            for j, kw in enumerate(grid):
+                setattr(shrink_mod, attr, dataclasses.replace(default, **kw))
+                got = shrink[0]()
+                err = ((got - want).norm() / want.norm()).item()
+                us = steady_us(shrink) if err < 1e-5 else float("inf")
+                total[j] += us
+                if best is None or us < best[0]:
+                    best = (us, kw)
+        finally:
+            setattr(shrink_mod, attr, default)
+        us, kw = best
+        print(f"| {name} | {tuple(kw.values())} | {us:.1f} | {100 * T * K * 2 / (us * 1e-6) / bw:.0f}% | {d_us:.1f} |",
+              flush=True)  # fmt: skip
+        del shrink
+        torch.cuda.empty_cache()
+    ranked = sorted(zip(total, range(len(grid))))
+    print("summed over the cases, best 5 (block_m, block_k, programs, warps, stages): " + "; ".join(
+        f"{tuple(grid[j].values())} {us:.1f}" for us, j in ranked[:5]))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep-expand", action="store_true", help="only the expand's tile sweep, back to back")
+    ap.add_argument("--sweep-shrink", action="store_true", help="only the shrink's tile sweep (fp16 A), back to back")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
@@ -163,8 +206,11 @@ def main() -> None:
     print("|---|---|---:|---|---:|---:|---:|---:|")
     rows = []
     ops = TritonLoRAOps(DEV)
-    if args.sweep_expand:
-        sweep_expand(ops, bw)
+    if args.sweep_expand or args.sweep_shrink:
+        if args.sweep_shrink:
+            sweep_shrink(ops, bw)
+        if args.sweep_expand:
+            sweep_expand(ops, bw)
         return
 
     def report(op, dtype, nbytes, kernels, f_us, s_us):
