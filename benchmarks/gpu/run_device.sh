@@ -42,6 +42,7 @@
 #                                               L2 flush and back to back)
 #   bash benchmarks/gpu/run_device.sh fp16x     # every GPU test, steady_state.py, --matrix rows default, tf32 shrink, bf16 LoRA
 #                                               (the shrink's fp16 products for fp16 A against tf32)
+#   bash benchmarks/gpu/run_device.sh confirm18 # every GPU test, steady_state.py, bench_e2e Llama-8B with HF + PEFT
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -194,6 +195,11 @@ for stage in "$@"; do
             timeout 300 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt"
             timeout 150 python3 benchmarks/gpu/steady_state.py --json "$OUT/steady.json" 2>&1 | tee "$OUT/steady.txt"
             timeout 120 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;tf32 shrink;bf16 LoRA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt" | tail -5
+            ;;
+        confirm18)
+            timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+            timeout 120 python3 benchmarks/gpu/steady_state.py --json "$OUT/steady.json" 2>&1 | grep -v Warn | tee "$OUT/steady.txt"
+            timeout 200 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"

@@ -377,7 +377,7 @@ class PrefillTiles:
     """The launch of segments longer than 32 tokens (prefill). A knob: ``bench_lora_kernels.py
     --tune-prefill`` sweeps it at 4096 tokens.
 
-    Defaults from that sweep (H200, session 9; 4096 tokens, 8 adapters, rank 16, bf16 / fp32 LoRA
+    Session 9's pick from that sweep (H200; 4096 tokens, 8 adapters, rank 16, bf16 / fp32 LoRA
     weights, µs alone): every slice in one program, 64 x 64 tiles, 4 stages, K split to ~256 programs:
     qkv 24.5 / 32.4, gate_up 22.2 / 28.3, against one slice a program at 512 programs' 25.8 / 38.1 and
     23.8 / 31.3 (the least time summed over the four cases). Still 29-38% of copy bandwidth: x's 33.5
@@ -385,21 +385,27 @@ class PrefillTiles:
     kept these. Profiled (ncu, session 13, qkv with bf16 A; BENCHMARKS.md): 1.9 programs resident per SM
     of the 4 that fit, 13% of the warp samples before the K loop (the chain of segment, slot, rank and
     token loads), 21% after it (the split-K tail), and the loop waiting at its pipeline barrier.
+
+    Session 18 (H200) timed the sweep back to back (``benchmarks/gpu/steady_state.py --sweep-shrink``: no
+    L2 flush between runs, so no other kernel's dirty lines to write back) with fp16 A and fp16 products:
+    64 x 128 tiles on 3 stages, 256 programs, had the least time summed over qkv / gate_up / o / down
+    (71.3 µs against 74.5 with the tiles before, 64 x 64 on 4 stages here and 512 programs for one slice;
+    qkv 14.5 against 16.9).
     """
 
     block_m: int = 64
-    block_k: int = 64
+    block_k: int = 128
     programs: int = 256  # K is split (at most K / (4 * block_k) ways) until the grid has this many
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
     fuse_slices: bool = True  # a program computes every slice (x read once) instead of one
 
 
 PREFILL = PrefillTiles()
-# One-slice layers (o, down) at prefill: the tiles before session 9's sweep, which timed only the 2-3
-# slice layers (there one slice a program was best at these tiles, of 32 one-slice candidates)
+# One-slice layers (o, down) at prefill: session 18's back-to-back sweep's pick, as PREFILL (before it, 64 x 64
+# tiles, 512 programs, 3 stages: the tiles before session 9's sweep, which timed only the 2-3 slice layers)
 PREFILL_ONE_SLICE = PrefillTiles(
-    block_m=64, block_k=64, programs=512, num_warps=4, num_stages=3, fuse_slices=False
+    block_m=64, block_k=128, programs=256, num_warps=4, num_stages=3, fuse_slices=False
 )
 
 
