@@ -388,22 +388,24 @@ class PrefillTiles:
 
     Session 18 (H200) timed the sweep back to back (``benchmarks/gpu/steady_state.py --sweep-shrink``: no
     L2 flush between runs, so no other kernel's dirty lines to write back) with fp16 A and fp16 products:
-    64 x 128 tiles on 3 stages, 256 programs, had the least time summed over qkv / gate_up / o / down
-    (71.3 µs against 74.5 with the tiles before, 64 x 64 on 4 stages here and 512 programs for one slice;
-    qkv 14.5 against 16.9).
+    64 x 128 tiles on 3 stages, 256 programs, had the least shrink time summed over qkv / gate_up / o /
+    down (71.3 µs against 74.5; qkv 14.5 against 16.9). In the whole op (shrink + expand, back to back)
+    they made qkv slower (49.2 against 47.1 µs) and gate_up too (157.7 against 151.6), so the 2-3 slice
+    layers keep these tiles; the one-slice layers took them (``PREFILL_ONE_SLICE``).
     """
 
     block_m: int = 64
-    block_k: int = 128
+    block_k: int = 64
     programs: int = 256  # K is split (at most K / (4 * block_k) ways) until the grid has this many
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
     fuse_slices: bool = True  # a program computes every slice (x read once) instead of one
 
 
 PREFILL = PrefillTiles()
-# One-slice layers (o, down) at prefill: session 18's back-to-back sweep's pick, as PREFILL (before it, 64 x 64
-# tiles, 512 programs, 3 stages: the tiles before session 9's sweep, which timed only the 2-3 slice layers)
+# One-slice layers (o, down) at prefill: session 18's back-to-back sweep's pick (the whole op, fp16 weights:
+# o 34.2 against 34.8 µs, down 57.8 against 58.9; fp32 weights 0.4-0.7 µs slower). Before it, 64 x 64 tiles,
+# 512 programs, 3 stages: the tiles before session 9's sweep, which timed only the 2-3 slice layers
 PREFILL_ONE_SLICE = PrefillTiles(
     block_m=64, block_k=128, programs=256, num_warps=4, num_stages=3, fuse_slices=False
 )
