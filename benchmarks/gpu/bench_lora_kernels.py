@@ -17,6 +17,8 @@ round-robin. Prefill (4096 tokens): 32 sequences of 128 tokens, adapters round-r
 
 Bytes = x + each active adapter's A and B (at its rank) + y read and written; the shrink's fp32
 partials are counted too. Bandwidth % is against a device-to-device copy measured in the same run.
+NOTE: do_bench's L2 flush writes zeros, so a kernel timed here first writes back the L2's dirty lines
+(~50 MB): ``steady_state.py`` times the 4096-token ops back to back too (BENCHMARKS.md, session 18).
 
     python benchmarks/gpu/bench_lora_kernels.py
 """

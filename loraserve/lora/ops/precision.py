@@ -7,7 +7,9 @@ are cast to the weights' dtype, with fp32 accumulation, except where that would 
 - bf16 activations with fp16 weights (or the reverse): fp32 (tf32), not either half: tf32 keeps 10
   mantissa bits and fp32's exponent range, so the product of a bf16 value (7 bits) and an fp16 value
   (10 bits) is exact; casting x to fp16 could overflow (|x| > 65504) and casting to bf16 would drop 3
-  bits of every weight. s stays fp32 into its product (no rounding to the weights' dtype).
+  bits of every weight. s stays fp32 into its product (no rounding to the weights' dtype). (The GPU's
+  prefill shrink reaches the same exact products in fp16 MMAs: x cast to fp16, exact inside
+  [2^-17, 65504], a block with an x past 65504 redone in tf32; ``triton/lora_shrink.py``, ``FP16_X``.)
 
 Storage (``balance_to_fp16``): a GPU LoRA product with fp32 weights and half-precision activations is
 tf32, which reads 10 mantissa bits of each weight, what fp16 holds. fp16's range is what differs
