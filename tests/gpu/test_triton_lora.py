@@ -339,7 +339,9 @@ def test_fp16_x_shrink_products_are_exact(T, n_slices, monkeypatch):
     """bf16 x with fp16 A (the GPU's auto storage): the shrink casts x to fp16 and multiplies in fp16
     (``lora_shrink.FP16_X``), which holds every bf16 value in [2^-17, 65504] exactly, so its sums equal
     the fp64 product within fp32 summation error, as the tf32 path's do; x's entries below 2^-14
-    (fp16's subnormals, some rounded) included. Decode sizes, prefill, and prefill with K split."""
+    (fp16's subnormals, some rounded) included, and rows whose every entry is an fp16 subnormal held exactly
+    (in [2^-17, 2^-14)), checked on their own: a tensor core flushing fp16 subnormals to zero would lose
+    them. Decode sizes, prefill, and prefill with K split."""
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
     g = torch.Generator().manual_seed(11)
@@ -350,6 +352,8 @@ def test_fp16_x_shrink_products_are_exact(T, n_slices, monkeypatch):
     x = torch.randn(T, K, generator=g)
     x[:, ::5] *= 3e-5  # fp16 subnormals (below 2^-14)
     x[:, 1::7] *= 300.0  # large, still inside fp16's range
+    tiny = torch.arange(T) % 4 == 3  # rows of fp16 subnormals only, each exact in fp16: magnitudes in [2^-17, 2^-14)
+    x[tiny] = torch.sign(torch.randn(int(tiny.sum()), K, generator=g)) * (2**-17 + torch.rand(int(tiny.sum()), K, generator=g) * (2**-14 - 2**-17))
     x = x.to(torch.bfloat16)
     As = tuple(t.to(DEV, torch.float16) for t in a)
     ranks = torch.full((S,), R, dtype=torch.int32, device=DEV)
@@ -364,6 +368,8 @@ def test_fp16_x_shrink_products_are_exact(T, n_slices, monkeypatch):
         outs[on] = buf[0].double().cpu()
         err = rel_err(outs[on], ref)
         assert err < 2e-6, f"FP16_X={on}: rel err {err}"
+        err = rel_err(outs[on][:, tiny], ref[:, tiny])
+        assert err < 2e-6, f"FP16_X={on}: rows of fp16 subnormals, rel err {err}"
     assert rel_err(outs[True], outs[False]) < 2e-6
 
 
