@@ -41,7 +41,8 @@
 #   bash benchmarks/gpu/run_device.sh steady    # the LoRA kernel tests, then steady_state.py (the 4096-token ops timed after do_bench's
 #                                               L2 flush and back to back)
 #   bash benchmarks/gpu/run_device.sh fp16x     # every GPU test, steady_state.py, --matrix rows default, tf32 shrink, bf16 LoRA
-#                                               (the shrink's fp16 products for fp16 A against tf32)
+#                                               (session 18's first call: the fp16 shrink then ran at decode too; since
+#                                               ba8145c the two --matrix rows run the same decode code)
 #   bash benchmarks/gpu/run_device.sh confirm18 # every GPU test, steady_state.py, bench_e2e Llama-8B with HF + PEFT
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."

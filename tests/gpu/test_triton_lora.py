@@ -74,7 +74,8 @@ CASES = [
     (300, 6, 64, 512, (700, 300), torch.float32, torch.float32, torch.float32),
     (1, 4, 8, 64, (64, 32, 32), torch.bfloat16, torch.float32, torch.bfloat16),
     (1000, 3, 16, 1024, (2048,), torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    # fp16 weights with bf16 x (the GPU's auto storage): tf32 products, s kept in fp32 (precision.py)
+    # fp16 weights with bf16 x (the GPU's auto storage): tf32 products (the prefill shrink's fp16, exact
+    # too: lora_shrink.FP16_X), s kept in fp32 (precision.py)
     (16, 8, 16, 4096, (4096, 1024, 1024), torch.bfloat16, torch.float16, torch.bfloat16),
     (256, 8, 16, 1024, (1024, 256, 256), torch.bfloat16, torch.float16, torch.float32),
     (200, 8, 32, 14336, (4096,), torch.bfloat16, torch.float16, torch.bfloat16),
@@ -333,6 +334,20 @@ def test_prefill_tiles_match_reference(tiles, case, monkeypatch):
     assert check_add_lora_linear(case, seed=3).max_seg_len > 32, "the case must take the prefill path"
 
 
+class LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's keyword arguments, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
 @pytest.mark.parametrize("T", [16, 200, 600], ids=["decode-size", "prefill-size", "prefill-split-k"])
 @pytest.mark.parametrize("n_slices", [1, 3])
 def test_fp16_x_shrink_products_are_exact(T, n_slices, monkeypatch):
@@ -360,10 +375,13 @@ def test_fp16_x_shrink_products_are_exact(T, n_slices, monkeypatch):
     st = torch.tensor(slots)
     ref = torch.stack([torch.einsum("tk,trk->tr", x.double(), t.cpu().double()[st, 0]) for t in As], dim=0)
     outs = {}
+    spy = LaunchSpy(shrink_mod._lora_shrink_kernel)
+    monkeypatch.setattr(shrink_mod, "_lora_shrink_kernel", spy)
     for on in (True, False):
         monkeypatch.setattr(shrink_mod, "FP16_X", on)
         buf = lora_shrink(x.to(DEV), As, meta, ranks, R)
         sync()
+        assert spy.launches[-1]["X16"] == (on and T > 32), "fp16 products at prefill sizes only, with the knob on"
         assert buf.shape[0] == 1, "the shrink sums its own splits (one plane)"
         outs[on] = buf[0].double().cpu()
         err = rel_err(outs[on], ref)
@@ -373,11 +391,45 @@ def test_fp16_x_shrink_products_are_exact(T, n_slices, monkeypatch):
     assert rel_err(outs[True], outs[False]) < 2e-6
 
 
+@pytest.mark.parametrize("n_slices", [1, 3])
+@pytest.mark.parametrize("K", [128, 4096], ids=["one-k-chunk", "k-split"])
+@pytest.mark.parametrize("reduce", [True, False], ids=["summed-by-shrink", "planes-summed-by-reader"])
+def test_fp16_x_shrink_recomputes_blocks_past_fp16_range(n_slices, K, reduce, monkeypatch):
+    """Prefill, bf16 x with fp16 A, fp16 products on: rows with an x of 3e5 (inf in fp16) in one K column
+    (with K split, in one split's range only); the blocks holding them are computed again in tf32, so every
+    sum is finite and equals the fp64 product, the partial planes too. One and three slices, one K chunk a
+    program and K split, splits summed by the shrink or left as planes."""
+    from loraserve.lora.ops.triton import lora_shrink as shrink_mod
+
+    g = torch.Generator().manual_seed(5)
+    T, S, R = 200, 3, 16
+    slots = [(t // 50) % S for t in range(T)]
+    meta = meta_of(LoRAMapping.build(slots, [], DEV))
+    As = tuple((torch.randn(S, 1, R, K, generator=g) * 0.05).to(DEV, torch.float16) for _ in range(n_slices))
+    x = torch.randn(T, K, generator=g)
+    x[::7, 5] = 3e5
+    x = x.to(torch.bfloat16)
+    spy = LaunchSpy(shrink_mod._lora_shrink_kernel)
+    monkeypatch.setattr(shrink_mod, "_lora_shrink_kernel", spy)
+    monkeypatch.setattr(shrink_mod, "FP16_X", True)
+    buf = lora_shrink(x.to(DEV), As, meta, torch.full((S,), R, dtype=torch.int32, device=DEV), R, reduce=reduce)
+    sync()
+    assert spy.launches[-1]["X16"], "the case must take the fp16 products"
+    st = torch.tensor(slots)
+    ref = torch.stack([torch.einsum("tk,trk->tr", x.double(), a.cpu().double()[st, 0]) for a in As], dim=0)
+    assert x.float().abs().max() > 65504, "the case must hold an x fp16 cannot"
+    assert torch.isfinite(buf).all(), "a block with an x past fp16's range kept its fp16 sums"
+    got = buf.double().sum(dim=0).cpu()
+    assert rel_err(got, ref) < 2e-6
+
+
 @pytest.mark.parametrize("T", [16, 200], ids=["decode-size", "prefill-size"])
 def test_fp16_weights_take_bf16_x_beyond_fp16_range(T):
     """bf16 activations, and s = A x, past fp16's range (65504) with fp16 LoRA weights (the GPU's auto
-    storage): the products are tf32 (``precision.compute_dtype``) and s stays fp32, so the delta is finite
-    and equals the fp64 product; fp16 products, or s rounded to fp16 in the expand, would make it inf."""
+    storage), through add_lora_linear: the shrink's products exact (tf32 at decode sizes; fp16 at prefill,
+    with the blocks holding an x past 65504 computed again in tf32: ``lora_shrink.FP16_X``) and s fp32 into
+    the expand, so the delta is finite and equals the fp64 product; fp16 products kept for those blocks,
+    or s rounded to fp16 in the expand, would make it inf."""
     g = torch.Generator().manual_seed(7)
     S, R, K, outs = 3, 16, 256, (128, 64)
     slots = [t % S for t in range(T)]

@@ -27,8 +27,10 @@ to zero by the block's last expand item (all its splits arrived, all its readers
 Opt-in (``ENABLED``, LORASERVE_FUSED_PREFILL=1): on the GPU it was measured slower than the two
 launches for every op and dtype tried (see ``ENABLED``), so it stays for experiments and other GPUs.
 
-Numerics: exactly ``lora_shrink`` + ``lora_expand``'s (the products in ``precision.compute_dtype``, s in
-fp32 summed over planes in order, rounded to the products' dtype before the expand, y rounded once).
+Numerics: ``lora_shrink`` + ``lora_expand``'s (the products in ``precision.compute_dtype``, s in fp32
+summed over planes in order, rounded to the products' dtype before the expand, y rounded once), except
+that its shrink products with bf16 x and fp16 A are tf32 where ``lora_shrink``'s prefill ones are fp16
+(``FP16_X``): both exact, so only the fp32 summation order can differ.
 """
 
 from __future__ import annotations

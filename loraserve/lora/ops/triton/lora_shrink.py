@@ -26,8 +26,8 @@ Prefill (segments longer than 32 tokens) takes ``PREFILL``'s tiles, where by def
 every slice of its tile and loads each tile of x once for all of them. (``lora_prefill``'s opt-in one
 launch, shrink and expand together, shares ``slices_dot``; measured slower, it is off by default.)
 
-NOTE: bf16 x with fp16 A (auto's GPU storage) casts x to fp16 and multiplies in fp16 (``FP16_X``,
-``x_dot``): fp16 holds every bf16 value in [2^-17, 65504] exactly (8 significant bits in 11), so the
+NOTE: at prefill (the prefill tiles), bf16 x with fp16 A (auto's GPU storage) casts x to fp16 and
+multiplies in fp16 (``FP16_X``, ``x_dot``; decode keeps tf32): fp16 holds every bf16 value in [2^-17, 65504] exactly (8 significant bits in 11), so the
 products are exact as with tf32, without x's fp32 copy in shared memory (the tf32 shrink, session 14,
 qkv at 4096 tokens: 29.6 µs against bf16 A's 22.0). x below 2^-17 rounds to fp16's subnormal grid
 (absolute error <= 2^-25 per entry). An x past 65504 becomes inf, and its block's sums inf or NaN
@@ -351,12 +351,20 @@ def _fuse_env(value: str | None) -> bool | None:
 
 # the decode K block for K <= 8192 and beyond (LORASERVE_SHRINK_DECODE_BLOCK_K="256,512" sets it)
 DECODE_BLOCK_K = _decode_block_k(os.environ.get("LORASERVE_SHRINK_DECODE_BLOCK_K", "256,512"))
-# Prefill with bf16 x and fp16 A (auto's GPU storage for bf16 models): x cast to fp16 and fp16 products
-# (x_dot), a block whose sums come out non-finite (an x past 65504) computed again in tf32; False: always
-# tf32. Decode sizes keep tf32: there the fp16 path measured slower (H200, session 18, --matrix: LoRA
-# cost 22.1 against 15.7 µs a layer; down 9.3 against 4.1), at prefill faster (qkv's shrink at 4096
-# tokens 17.0 against 24.1 µs back to back). LORASERVE_SHRINK_FP16_X=0 turns it off.
-FP16_X = os.environ.get("LORASERVE_SHRINK_FP16_X", "1") != "0"
+# Segments over 32 tokens (the prefill tiles; CUDA graph buckets of more than 32 sequences take them too)
+# with bf16 x and fp16 A (auto's GPU storage for bf16 models) and tf32 as the products' dtype: x cast to
+# fp16 and fp16 products (x_dot), a block whose sums come out non-finite (an x past 65504) computed again
+# in tf32; False: always tf32. The decode tiles keep tf32: there the fp16 path measured slower (H200,
+# session 18, --matrix at 32 tokens: LoRA cost 22.1 against 15.7 µs a layer; down 9.3 against 4.1), on
+# the prefill tiles faster (qkv's shrink at 4096 tokens 17.0 against 24.1 µs back to back; graph buckets
+# of 48 and 64 sequences are not timed). LORASERVE_SHRINK_FP16_X=0 turns it off.
+def _fp16_x_env(value: str) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError(f"LORASERVE_SHRINK_FP16_X={value!r}: give 1 (fp16 products at prefill, the default) or 0 (tf32)")
+    return value == "1"
+
+
+FP16_X = _fp16_x_env(os.environ.get("LORASERVE_SHRINK_FP16_X", "1"))
 PREFETCH_A = True  # at decode sizes, a one-slice program loads its tile of A before the PDL wait
 # At decode sizes, whether a program computes every slice of its tile (x loaded once; a third of the
 # programs for qkv, half for gate_up; A loaded after the PDL wait). None: for half-precision A only.
@@ -517,7 +525,7 @@ def lora_shrink(
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
         ZERO_FILL=zero_fill, FUSE_SLICES=fuse,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
-        X16=FP16_X and prefill and x.dtype == torch.bfloat16 and a0.dtype == torch.float16,
+        X16=FP16_X and prefill and cdt == torch.float32 and x.dtype == torch.bfloat16 and a0.dtype == torch.float16,
         USE_PDL=pdl, EVEN_R=R % block_r == 0, launch_pdl=pdl, **launch,
     )  # fmt: skip
     return buf[:1] if reduce else buf

@@ -87,7 +87,9 @@ def compute_dtype_of(act_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtyp
     matmul. With bf16/fp16 activations they are tf32 on the tensor cores (exact for the activations,
     10-bit mantissa for the weights, which is what fp16 storage holds; ~5e-4 relative on the delta, far
     under the bf16 rounding of the layer output it is added to), always accumulated in fp32: the
-    true-fp32 path measured 2.4x slower at decode sizes on the H200.
+    true-fp32 path measured 2.4x slower at decode sizes on the H200. One exception: the prefill shrink
+    with bf16 x and fp16 weights casts x to fp16 for fp16 MMAs, the same exact products
+    (``lora_shrink.FP16_X``).
     """
     tl_dtype(act_dtype)
     tl_dtype(w_dtype)
