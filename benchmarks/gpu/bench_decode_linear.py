@@ -171,8 +171,6 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "default": ("a lora_shrink launch that sums its splits, then the GEMM with the expand in its epilogue (PDL); "
                 "fp16 A and B (auto's storage for a bf16 model on the GPU), tf32 products (at prefill the shrink's are fp16: "
                 "lora_shrink.FP16_X)", {}),
-    "tf32 shrink": ("lora_shrink.FP16_X off (it changes prefill only since session 18's first call, where the "
-                    "fp16 shrink at decode cost 22.1 against 15.7 µs a layer)", {"fp16_x": False}),
     "fp32 LoRA": ("A and B stored in fp32 (--lora-dtype float32; auto before session 14)", {"lora_dtype": torch.float32}),
     "no PDL chain": ("the kernel before the shrink (here the GEMM) lets it launch only when it ends", {"chain": False}),
     "64 columns per MMA": ("the epilogue's MMAs over 4 slots of rank 16 (2 chunks): fewer registers",
@@ -198,7 +196,8 @@ MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a ti
     "bf16 LoRA, B 6 steps ahead": ("bf16 A and B, B pulled 6 K steps before the end", {"pf_ahead": 6, "lora_dtype": torch.bfloat16}),
     "bf16 LoRA, shrink K blocks 256/1024": ("bf16 A and B, down's decode shrink on K blocks of 1024 (half the programs)",
                                             {"block_k": (256, 1024), "lora_dtype": torch.bfloat16}),
-    # measured and not the default (BENCHMARKS.md): "reader sums" {"shrink_reduces": False}, "no A prefetch"
+    # measured and not the default (BENCHMARKS.md): "tf32 shrink" {"fp16_x": False} (session 18; since the fp16
+    # shrink is prefill-only it is the default's decode code), "reader sums" {"shrink_reduces": False}, "no A prefetch"
     # {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)} (session 6); the delta in a launch
     # of its own after the GEMM (session 7, commit bfb8465); the delta as more K columns of the GEMM (2fab3e5),
     # B pulled into L2 before the K loop (cf605f9), an x-ready flag instead of the shrink's trigger (a392f5b;
@@ -237,7 +236,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
 
     saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
              triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES,
-             precision.MIXED_HALVES_IN_FP32, shrink_mod.FP16_X)  # fmt: skip
+             precision.MIXED_HALVES_IN_FP32)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
@@ -251,7 +250,6 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
         dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[7])
         shrink_mod.DECODE_FUSE_SLICES = knobs.get("fuse_decode", saved[8])
         precision.MIXED_HALVES_IN_FP32 = knobs.get("mixed_fp32", saved[9])
-        shrink_mod.FP16_X = knobs.get("fp16_x", saved[10])
         ops = TritonLoRAOps(DEV)
         ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
@@ -272,8 +270,7 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             del lc
         shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
         (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
-         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES, precision.MIXED_HALVES_IN_FP32,
-         shrink_mod.FP16_X) = saved[3:11]  # fmt: skip
+         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES, precision.MIXED_HALVES_IN_FP32) = saved[3:10]  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])

@@ -40,9 +40,9 @@
 #                                               vs shrink + expand), then the one-launch tile sweep (TUNE_DTYPES, fp16 default)
 #   bash benchmarks/gpu/run_device.sh steady    # the LoRA kernel tests, then steady_state.py (the 4096-token ops timed after do_bench's
 #                                               L2 flush and back to back)
-#   bash benchmarks/gpu/run_device.sh fp16x     # every GPU test, steady_state.py, --matrix rows default, tf32 shrink, bf16 LoRA
-#                                               (session 18's first call: the fp16 shrink then ran at decode too; since
-#                                               ba8145c the two --matrix rows run the same decode code)
+#   bash benchmarks/gpu/run_device.sh fp16x     # every GPU test, steady_state.py, --matrix rows default and bf16 LoRA
+#                                               (session 18's first call also had a "tf32 shrink" row, removed once the
+#                                               fp16 shrink became prefill-only: at decode it ran the default's code)
 #   bash benchmarks/gpu/run_device.sh confirm18 # every GPU test, steady_state.py, bench_e2e Llama-8B with HF + PEFT
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -195,7 +195,7 @@ for stage in "$@"; do
         fp16x)
             timeout 300 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt"
             timeout 150 python3 benchmarks/gpu/steady_state.py --json "$OUT/steady.json" 2>&1 | tee "$OUT/steady.txt"
-            timeout 120 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;tf32 shrink;bf16 LoRA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt" | tail -5
+            timeout 120 python3 benchmarks/gpu/bench_decode_linear.py --matrix --rows "default;bf16 LoRA" --json "$OUT/matrix.json" 2>&1 | grep -v "^|---\|parts" | tee "$OUT/matrix.txt" | tail -5
             ;;
         confirm18)
             timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"

@@ -60,6 +60,12 @@ def steady_us(fns) -> float:
     return statistics.median(runs)
 
 
+def op_bytes(T, S, K, outs, rank, w) -> int:
+    """What one add_lora_linear moves (bench_lora_kernels' count): x, every adapter's A and B (``w`` bytes an
+    element), y read and written (bf16), s written and read (fp32)."""
+    return T * K * 2 + S * rank * (len(outs) * K + sum(outs)) * w + 2 * T * sum(outs) * 2 + 2 * len(outs) * T * rank * 4
+
+
 def op_sets(ops, wdtype, T, S, K, outs, rank):
     """SETS input sets of one prefill case sharing its LoRA weights: (the op on each set, the shrink alone on
     each set, xs, ys, meta)."""
@@ -77,8 +83,7 @@ def bench_case(ops, wdtype, name, T, S, K, outs, report, floors: bool, rank: int
     with ``floors``, x read once and y read + written), each timed both ways."""
     op, shrink, xs, ys, meta = op_sets(ops, wdtype, T, S, K, outs, rank)
     w = torch.finfo(wdtype).bits // 8
-    s_bytes = len(outs) * T * rank * 4  # s, fp32
-    nbytes = T * K * 2 + S * rank * (len(outs) * K + sum(outs)) * w + 2 * T * sum(outs) * 2 + 2 * s_bytes
+    nbytes = op_bytes(T, S, K, outs, rank, w)
     if floors:
         sums = [torch.empty(T, device=DEV) for _ in xs]
         read_x = [lambda i=i: torch.sum(xs[i], dim=1, dtype=torch.float32, out=sums[i]) for i in range(SETS)]
@@ -87,7 +92,7 @@ def bench_case(ops, wdtype, name, T, S, K, outs, report, floors: bool, rank: int
         report(name, "-", 2 * T * sum(outs) * 2, "y read + written (torch mul_)", flushed_us(rw_y[0]), steady_us(rw_y))
     dt = str(wdtype)[6:]
     report(name, dt, nbytes, "shrink + expand (default)", flushed_us(op[0]), steady_us(op))
-    sb = T * K * 2 + S * rank * len(outs) * K * w + s_bytes
+    sb = T * K * 2 + S * rank * len(outs) * K * w + len(outs) * T * rank * 4  # x, A, s written
     report(name, dt, sb, "shrink alone", flushed_us(shrink[0]), steady_us(shrink))
     if wdtype == torch.float16:  # the shrink's products in tf32 (lora_shrink.FP16_X off; before session 18)
         fp16_x, shrink_mod.FP16_X = shrink_mod.FP16_X, False
@@ -122,7 +127,7 @@ def sweep_expand(ops, bw: float) -> None:
     for name, T, S, K, outs in PREFILL_CASES:
         rank = 16
         op, _, _, ys, _ = op_sets(ops, torch.float16, T, S, K, outs, rank)
-        nbytes = T * K * 2 + S * rank * (len(outs) * K + sum(outs)) * 2 + 2 * T * sum(outs) * 2 + 2 * len(outs) * T * rank * 4
+        nbytes = op_bytes(T, S, K, outs, rank, 2)
         y0 = ys[0].clone()
         expand_mod.PREFILL = default
         op[0]()

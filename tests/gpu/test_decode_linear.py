@@ -222,10 +222,14 @@ def test_decode_knobs_follow_the_lora_dtype_unless_forced(monkeypatch):
     monkeypatch.setattr(dl, "PREFETCH_B_AHEAD", 0)
     monkeypatch.setattr(shrink_mod, "DECODE_FUSE_SLICES", True)
     assert dl.prefetch_ahead(torch.bfloat16) == 0 and shrink_mod._fuse_decode(torch.float32)
-    assert shrink_mod._fuse_env("0") is False and shrink_mod._fuse_env(None) is None
+    monkeypatch.setenv("LORASERVE_SHRINK_FUSE_DECODE", "0")
+    assert shrink_mod._flag_env("LORASERVE_SHRINK_FUSE_DECODE") is False
+    monkeypatch.delenv("LORASERVE_SHRINK_FUSE_DECODE")
+    assert shrink_mod._flag_env("LORASERVE_SHRINK_FUSE_DECODE") is None
     assert shrink_mod._decode_block_k("256,1024") == (256, 1024)
+    monkeypatch.setenv("LORASERVE_SHRINK_FUSE_DECODE", "yes")
     with pytest.raises(ValueError, match="LORASERVE_SHRINK_FUSE_DECODE"):
-        shrink_mod._fuse_env("yes")
+        shrink_mod._flag_env("LORASERVE_SHRINK_FUSE_DECODE")
     with pytest.raises(ValueError, match="LORASERVE_SHRINK_DECODE_BLOCK_K"):
         shrink_mod._decode_block_k("256")
     monkeypatch.setenv("LORASERVE_PREFETCH_B_AHEAD", "four")

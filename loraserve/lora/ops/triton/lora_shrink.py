@@ -341,11 +341,13 @@ def _decode_block_k(value: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def _fuse_env(value: str | None) -> bool | None:
+def _flag_env(name: str) -> bool | None:
+    """An on/off knob from the environment: "1" on, "0" off, None when unset or empty (the default)."""
+    value = os.environ.get(name)
     if value in (None, ""):
         return None
     if value not in ("0", "1"):
-        raise ValueError(f"LORASERVE_SHRINK_FUSE_DECODE={value!r}: give 1 (on), 0 (off), or unset it for the default")
+        raise ValueError(f"{name}={value!r}: give 1 (on), 0 (off), or unset it for the default")
     return value == "1"
 
 
@@ -358,13 +360,7 @@ DECODE_BLOCK_K = _decode_block_k(os.environ.get("LORASERVE_SHRINK_DECODE_BLOCK_K
 # session 18, --matrix at 32 tokens: LoRA cost 22.1 against 15.7 µs a layer; down 9.3 against 4.1), on
 # the prefill tiles faster (qkv's shrink at 4096 tokens 17.0 against 24.1 µs back to back; graph buckets
 # of 48 and 64 sequences are not timed). LORASERVE_SHRINK_FP16_X=0 turns it off.
-def _fp16_x_env(value: str) -> bool:
-    if value not in ("0", "1"):
-        raise ValueError(f"LORASERVE_SHRINK_FP16_X={value!r}: give 1 (fp16 products at prefill, the default) or 0 (tf32)")
-    return value == "1"
-
-
-FP16_X = _fp16_x_env(os.environ.get("LORASERVE_SHRINK_FP16_X", "1"))
+FP16_X = _flag_env("LORASERVE_SHRINK_FP16_X") is not False
 PREFETCH_A = True  # at decode sizes, a one-slice program loads its tile of A before the PDL wait
 # At decode sizes, whether a program computes every slice of its tile (x loaded once; a third of the
 # programs for qkv, half for gate_up; A loaded after the PDL wait). None: for half-precision A only.
@@ -373,7 +369,7 @@ PREFETCH_A = True  # at decode sizes, a one-slice program loads its tile of A be
 # bytes). Loading its tiles of A before the wait (commit ebcc226) measured 17.1 with bf16 A (vs 17.7
 # with neither decode knob) and 24.5 with fp32 A (vs 25.0; the 8-adapter step 1.156x vs 1.159x, noise),
 # and was reverted. LORASERVE_SHRINK_FUSE_DECODE=1 / 0 forces it.
-DECODE_FUSE_SLICES: bool | None = _fuse_env(os.environ.get("LORASERVE_SHRINK_FUSE_DECODE"))
+DECODE_FUSE_SLICES: bool | None = _flag_env("LORASERVE_SHRINK_FUSE_DECODE")
 
 
 def _fuse_decode(a_dtype: torch.dtype) -> bool:
