@@ -44,6 +44,7 @@
 #                                               (session 18's first call also had a "tf32 shrink" row, removed once the
 #                                               fp16 shrink became prefill-only: at decode it ran the default's code)
 #   bash benchmarks/gpu/run_device.sh confirm18 # every GPU test, steady_state.py, bench_e2e Llama-8B with HF + PEFT
+#   bash benchmarks/gpu/run_device.sh steptrace # step_trace.py: one decode step's kernel timeline, base vs 8 adapters, both shapes
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -201,6 +202,9 @@ for stage in "$@"; do
             timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
             timeout 120 python3 benchmarks/gpu/steady_state.py --json "$OUT/steady.json" 2>&1 | grep -v Warn | tee "$OUT/steady.txt"
             timeout 200 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
+            ;;
+        steptrace)
+            timeout 240 python3 benchmarks/gpu/step_trace.py --out "$OUT/step_traces" 2>&1 | grep -v Warn | tee "$OUT/step_trace.txt"
             ;;
         moe)
             timeout 120 python3 benchmarks/gpu/bench_moe.py --json "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt"

@@ -1,0 +1,132 @@
+"""Where a decode step's time goes: the kernel timeline of one CUDA-graph replay, base vs 8 adapters.
+
+Builds the engine as ``bench_e2e.py`` does (random weights, 8 rank-16 adapters mixed round-robin, batch
+32 x prompt 128, CUDA graphs), captures the decode graphs of the batch's bucket with and without LoRA,
+replays each once under the torch profiler (CUDA activity: the graph's kernels one by one) and prints:
+
+- the step's span and its layers' period (the time between a layer's first kernels in consecutive
+  layers, median over the middle layers), base and with LoRA;
+- one middle layer's kernels in order: start after the layer's first kernel, duration, and the gap
+  after the kernel before it (negative: they overlapped, as PDL dependents do);
+- per kernel name, µs per layer (sum of durations / layers), base and with LoRA.
+
+    python benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b,llama-3.1-8b --out /tmp/traces
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_e2e import N_ADAPTERS, timed_generate  # noqa: E402
+from dummy import hf_config, make_adapter, make_model_dir  # noqa: E402
+
+from loraserve import LLM, LoRARequest  # noqa: E402
+
+# the first kernel of each decoder layer: its input norm (fused with the residual add after layer 0)
+LAYER_ANCHOR = "rms_norm"
+
+
+def replay_kernels(graph, path: str) -> list[tuple[str, float, float]]:
+    """(kernel name, start µs, end µs) of one replay of a captured graph, from the profiler's trace."""
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    ks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
+    return [(name, t0, t1) for t0, t1, name in ks]
+
+
+def layer_starts(ks: list[tuple[str, float, float]]) -> list[int]:
+    """Indices of each layer's first kernel: every other norm (a layer has two)."""
+    norms = [i for i, (name, _, _) in enumerate(ks) if LAYER_ANCHOR in name]
+    return norms[::2]
+
+
+def summarize(label: str, ks: list[tuple[str, float, float]], layers: int) -> dict:
+    starts = layer_starts(ks)
+    span = ks[-1][2] - ks[0][1]
+    mid = starts[len(starts) // 4 : 3 * len(starts) // 4 + 1]
+    period = statistics.median(ks[b][1] - ks[a][1] for a, b in zip(mid, mid[1:]))
+    print(f"\n## {label}: {len(ks)} kernels, step span {span:.1f} µs, layer period {period:.2f} µs "
+          f"({len(starts)} norms pairs found, {layers} layers)")  # fmt: skip
+    i0, i1 = starts[layers // 2], starts[layers // 2 + 1]
+    t0 = ks[i0][1]
+    print("| kernel | start µs | dur µs | gap after previous end µs |")
+    print("|---|---:|---:|---:|")
+    prev_end = ks[i0 - 1][2]
+    for name, a, b in ks[i0:i1]:
+        print(f"| {name[:60]} | {a - t0:.1f} | {b - a:.1f} | {a - prev_end:.1f} |")
+        prev_end = max(prev_end, b)
+    per_name: dict[str, float] = defaultdict(float)
+    for name, a, b in ks:
+        per_name[name[:60]] += (b - a) / layers
+    return dict(span=span, period=period, per_name=dict(per_name))
+
+
+def trace_shape(shape: str, root: Path, out: Path, batch: int, lora_dtype: str) -> None:
+    cfg = hf_config(shape)
+    mdir = make_model_dir(root / shape, shape)
+    adapters = [make_adapter(root / f"{shape}-a{i}", cfg, rank=16, seed=i) for i in range(N_ADAPTERS)]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, cfg.vocab_size, (batch, 128), generator=g).tolist()
+    llm = LLM(
+        str(mdir), dtype="bfloat16", load_format="dummy", enable_lora=True, max_loras=N_ADAPTERS,
+        max_lora_rank=16, max_num_seqs=batch, max_num_batched_tokens=4096, max_model_len=512,
+        num_kv_blocks=batch * (512 // 16) + 8, lora_dtype=lora_dtype,
+    )  # fmt: skip
+    reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    mixed = [reqs[i % N_ADAPTERS] for i in range(batch)]
+    for loras in ([None] * batch, mixed):
+        timed_generate(llm, prompts, loras, 8)  # captures the bucket's graphs
+    graphs = llm.engine.runner.graphs.graphs
+    layers = cfg.num_hidden_layers
+    res = {}
+    for (bucket, use_lora), (graph, _) in sorted(graphs.items()):
+        if bucket != batch:
+            continue
+        label = f"{shape} {'8 adapters' if use_lora else 'base'} (bucket {bucket}, LoRA {lora_dtype})"
+        ks = replay_kernels(graph, str(out / f"{shape}_{'lora' if use_lora else 'base'}.json"))
+        res[use_lora] = summarize(label, ks, layers)
+    if len(res) == 2:
+        b, m = res[False], res[True]
+        print(f"\n{shape}: span {b['span']:.1f} -> {m['span']:.1f} µs ({m['span'] / b['span']:.3f}x), "
+              f"layer period {b['period']:.2f} -> {m['period']:.2f} µs")  # fmt: skip
+        print("| kernel | base µs/layer | 8 adapters µs/layer |")
+        print("|---|---:|---:|")
+        for name in sorted(set(b["per_name"]) | set(m["per_name"]), key=lambda n: -m["per_name"].get(n, 0)):
+            print(f"| {name} | {b['per_name'].get(name, 0):.2f} | {m['per_name'].get(name, 0):.2f} |")
+    del llm
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen2.5-0.5b,llama-3.1-8b")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lora-dtype", default="auto")
+    ap.add_argument("--out", default="/tmp/step_traces")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes.split(","):
+            trace_shape(shape, Path(tmp), out, args.batch, args.lora_dtype)
+
+
+if __name__ == "__main__":
+    main()
