@@ -8,7 +8,11 @@ replays each once under the torch profiler (CUDA activity: the graph's kernels o
   layers, median over the middle layers), base and with LoRA;
 - one middle layer's kernels in order: start after the layer's first kernel, duration, and the gap
   after the kernel before it (negative: they overlapped, as PDL dependents do);
-- per kernel name, µs per layer (sum of durations / layers), base and with LoRA.
+- per kernel name, µs per layer (sum of durations / layers), base and with LoRA;
+- each graph's replay time (triton do_bench, median: the GPU time of a step) and their ratio.
+
+The engine's knobs are environment variables read at import: run it once per setting, e.g.
+``LORASERVE_NORM_SHRINK=1 python benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b``.
 
     python benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b,llama-3.1-8b --out /tmp/traces
 """
@@ -24,6 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -32,8 +37,9 @@ from dummy import hf_config, make_adapter, make_model_dir  # noqa: E402
 
 from loraserve import LLM, LoRARequest  # noqa: E402
 
-# the first kernel of each decoder layer: its input norm (fused with the residual add after layer 0)
-LAYER_ANCHOR = "rms_norm"
+# the first kernel of each decoder layer: its input norm (fused with the residual add after layer 0; with
+# LORASERVE_NORM_SHRINK=1 the norm and qkv's shrink)
+LAYER_ANCHORS = ("rms_norm", "norm_shrink")
 
 
 def replay_kernels(graph, path: str) -> list[tuple[str, float, float]]:
@@ -53,7 +59,7 @@ def replay_kernels(graph, path: str) -> list[tuple[str, float, float]]:
 
 def layer_starts(ks: list[tuple[str, float, float]]) -> list[int]:
     """Indices of each layer's first kernel: every other norm (a layer has two)."""
-    norms = [i for i, (name, _, _) in enumerate(ks) if LAYER_ANCHOR in name]
+    norms = [i for i, (name, _, _) in enumerate(ks) if any(a in name for a in LAYER_ANCHORS)]
     return norms[::2]
 
 
@@ -102,9 +108,11 @@ def trace_shape(shape: str, root: Path, out: Path, batch: int, lora_dtype: str) 
         label = f"{shape} {'8 adapters' if use_lora else 'base'} (bucket {bucket}, LoRA {lora_dtype})"
         ks = replay_kernels(graph, str(out / f"{shape}_{'lora' if use_lora else 'base'}.json"))
         res[use_lora] = summarize(label, ks, layers)
+        res[use_lora]["replay_ms"] = do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
     if len(res) == 2:
         b, m = res[False], res[True]
-        print(f"\n{shape}: span {b['span']:.1f} -> {m['span']:.1f} µs ({m['span'] / b['span']:.3f}x), "
+        print(f"\n{shape}: graph replay (do_bench median) {b['replay_ms']:.3f} -> {m['replay_ms']:.3f} ms "
+              f"({m['replay_ms'] / b['replay_ms']:.3f}x); profiled span {b['span']:.1f} -> {m['span']:.1f} µs; "
               f"layer period {b['period']:.2f} -> {m['period']:.2f} µs")  # fmt: skip
         print("| kernel | base µs/layer | 8 adapters µs/layer |")
         print("|---|---:|---:|")

@@ -23,8 +23,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, feeds: nn.Module | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``feeds``: the layer that takes this norm's output as its input, if the caller knows it. A layer
+        with a ``fuse_norm(x, residual, weight, eps)`` method may compute the norm itself, with work of
+        its own in the same launch (a LoRA'd projection's shrink); it returns what this method would, or
+        None, and then the norm runs here."""
+        if feeds is not None and on_triton(x):
+            fuse_norm = getattr(feeds, "fuse_norm", None)
+            fused = fuse_norm(x, residual, self.weight, self.eps) if fuse_norm is not None else None
+            if fused is not None:
+                return fused
         if residual is not None:
             if on_triton(x) and FUSED_ELEMENTWISE:  # one launch for the add and the norm (same roundings)
                 return elementwise_kernels().fused_add_rms_norm(x, residual, self.weight, self.eps)

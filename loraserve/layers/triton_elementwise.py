@@ -23,7 +23,7 @@ compiler evidently keeps a product unrounded: an FMA), relative error ~3e-3:
   ``k_cache[slot_mapping] = k`` does): one launch instead of three.
 
 Per decoder layer on the GPU path that is 4 small launches (add+norm, rotary+cache, add+norm,
-SiLU-and-mul) instead of 8. The shared ``@triton.jit`` helpers (``_rms_norm_row``, ``_rotate_half``)
+SiLU-and-mul) instead of 8. The shared ``@triton.jit`` helpers (``rms_norm_row``, ``_rotate_half``)
 keep each fused kernel's arithmetic the same as its unfused twin's.
 
 On Hopper each of them (but the plain rotary) is a link of the decode step's PDL chain
@@ -45,7 +45,7 @@ from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, tl_dtype
 
 
 @triton.jit
-def _rms_norm_row(x, w_ptr, offs, mask, N, eps):
+def rms_norm_row(x, w_ptr, offs, mask, N, eps):
     """One row ``x`` in its storage dtype (masked lanes 0) -> weight * RMSNorm(x), in fp32 (the caller
     rounds it to the output dtype): normalized in fp32, rounded to x's dtype, then times the weight."""
     xf = x.to(tl.float32)
@@ -63,7 +63,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: t
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    out = _rms_norm_row(x, w_ptr, offs, mask, N, eps)
+    out = rms_norm_row(x, w_ptr, offs, mask, N, eps)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -81,7 +81,7 @@ def _fused_add_rms_norm_kernel(
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(r_out_ptr.dtype.element_ty)  # torch's x + residual: fp32 add, one rounding
     tl.store(r_out_ptr + row * stride_ro + offs, h, mask=mask)
-    out = _rms_norm_row(h, w_ptr, offs, mask, N, eps)
+    out = rms_norm_row(h, w_ptr, offs, mask, N, eps)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -212,16 +212,40 @@ class PunicaWrapper:
         lora_b_stacked: tuple[torch.Tensor, ...],
         ranks: list[int],
         then_silu_and_mul: bool = False,
+        shrunk: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The base GEMM and the LoRA delta in one go where a kernel does both (the GPU at decode sizes);
         None elsewhere: then the caller runs ``F.linear`` and ``apply_lora_linear``. ``then_silu_and_mul``
-        (gate/up): silu(gate) * up of it, where a kernel path does that faster; None elsewhere."""
+        (gate/up): silu(gate) * up of it, where a kernel path does that faster; None elsewhere.
+        ``shrunk``: x's shrink, already computed (``norm_shrink``), instead of a shrink launch."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.linear_with_lora(
             x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots,
-            then_silu_and_mul,
+            then_silu_and_mul, shrunk,
+        )
+
+    def norm_shrink(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        ranks: list[int],
+        weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """RMSNorm of x (after the residual add) and the shrink of its output, in one launch, where the
+        layer's ``linear_with_lora`` (GEMM ``weight``) would take that shrink: (out, residual', shrunk);
+        else None (``TritonLoRAOps.norm_shrink``)."""
+        if not self.fuses_linear:
+            return None
+        mapping = self.mapping()
+        return self.kernels.norm_shrink(
+            x, residual, norm_weight, eps, lora_a_stacked, lora_b_stacked, ranks, weight, mapping.token_meta,
+            mapping.token_slots,
         )
 
     def add_lora_embedding(

@@ -96,11 +96,13 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # feeds: the projection each norm's output goes to (a LoRA'd one may fuse its shrink into the norm)
+        qkv, gate_up = getattr(self.self_attn, "qkv_proj", None), getattr(self.mlp, "gate_up_proj", None)
         if residual is None:
-            residual, h = h, self.input_layernorm(h)
+            residual, h = h, self.input_layernorm(h, feeds=qkv)
         else:
-            h, residual = self.input_layernorm(h, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual)
+            h, residual = self.input_layernorm(h, residual, feeds=qkv)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual, feeds=gate_up)
         return self.mlp(h), residual
 
 

@@ -121,3 +121,22 @@ def test_cuda_graphs_bf16_matches_peft(models):
     diffs = hf_diffs(models, outs, torch.bfloat16)
     assert max(diffs) <= 2e-2, diffs
 
+
+
+def test_norm_shrink_under_graphs_matches_peft(models, monkeypatch):
+    """The opt-in path where the decoder's norms compute the shrink of qkv and gate/up (LORASERVE_NORM_SHRINK=1,
+    ``norm_shrink``): taken under CUDA graphs with every adapter in the batch, bf16 logprobs within 2e-2 of
+    HF + PEFT's, and the same greedy tokens as the separate shrink's path."""
+    from loraserve.lora.ops.triton import norm_shrink as ns
+
+    _, separate = serve(models, "bfloat16", graphs=True)
+    calls = []
+    real = ns.norm_shrink
+    monkeypatch.setattr(ns, "ENABLED", True)
+    monkeypatch.setattr(ns, "norm_shrink", lambda *a, **k: calls.append(len(a[4])) or real(*a, **k))
+    _, outs = serve(models, "bfloat16", graphs=True)
+    assert 2 in calls and 3 in calls, f"gate/up (2 slices) and qkv (3) took the fused norm: {calls}"
+    diffs = hf_diffs(models, outs, torch.bfloat16)
+    assert max(diffs) <= 2e-2, diffs
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, separate))
+    assert same >= len(outs) - 1, f"{same}/{len(outs)} sequences as with the shrink launch"

@@ -56,3 +56,33 @@ def test_rms_norm_with_residual_returns_the_sum_and_its_norm():
     out, res = norm(x, r)
     assert torch.equal(res, x + r) and torch.equal(out, rms_norm_torch(x + r, norm.weight, 1e-5))
     assert torch.equal(norm(x), rms_norm_torch(x, norm.weight, 1e-5))  # no residual: a plain norm
+
+
+class _Feeds(torch.nn.Module):
+    """A layer with the ``fuse_norm`` hook: returns ``result`` (None: declines) and records its calls."""
+
+    def __init__(self, result):
+        super().__init__()
+        self.result, self.calls = result, []
+
+    def fuse_norm(self, x, residual, weight, eps):
+        self.calls.append((x, residual, eps))
+        return self.result
+
+
+def test_a_norm_hands_itself_to_the_layer_it_feeds_only_on_the_triton_path(monkeypatch):
+    import loraserve.layers.norm as norm_mod
+
+    norm = RMSNorm(32, 1e-5)
+    x, r = torch.randn(4, 32), torch.randn(4, 32)
+    want_out, want_res = norm(x, r)
+    taker = _Feeds(("fused", "pair"))
+    assert torch.equal(norm(x, r, feeds=taker)[0], want_out) and not taker.calls, "CPU tensors: the norm runs here"
+    monkeypatch.setattr(norm_mod, "on_triton", lambda t: True)
+    monkeypatch.setattr(norm_mod, "FUSED_ELEMENTWISE", False)  # the declined path: torch's add + norm
+    assert norm(x, r, feeds=taker) == ("fused", "pair") and taker.calls == [(x, r, 1e-5)]
+    decliner = _Feeds(None)
+    monkeypatch.setattr(norm_mod, "elementwise_kernels", lambda: pytest.fail("no Triton here"))
+    monkeypatch.setattr(norm_mod, "on_triton", lambda t: t is x or t is r)  # the fallback's own norm: torch
+    out, res = norm(x, r, feeds=decliner)
+    assert decliner.calls and torch.equal(out, want_out) and torch.equal(res, want_res)

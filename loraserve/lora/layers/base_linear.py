@@ -29,6 +29,8 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         super().__init__()
         self.base_layer = base_layer
         self.tp_rank, self.tp_size = base_layer.tp_rank, base_layer.tp_size
+        # (the norm's output, its shrink): set by fuse_norm, taken by the call whose x is that very tensor
+        self._norm_shrunk: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def n_slices(self) -> int:
@@ -155,11 +157,34 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         """
         if self._fusable():
             y = self.punica_wrapper.linear_with_lora(
-                x, weight, bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks
-            )
+                x, weight, bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks,
+                shrunk=self.take_norm_shrunk(x),
+            )  # fmt: skip
             if y is not None:
                 return y
         return self.apply_lora(linear(x, weight, bias), x)
+
+    def fuse_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+        """The RMSNorm whose output is this layer's input, run with this layer's LoRA shrink in its launch
+        (``RMSNorm``'s ``feeds`` protocol; ``norm_shrink``, opt-in): the norm's result, or None where this
+        step's LoRA would not take the fused decode path (the norm then runs alone). The shrink is kept
+        for the call of this layer whose x is the norm's output (``take_norm_shrunk``)."""
+        self._norm_shrunk = None
+        if not self._fusable():
+            return None
+        fused = self.punica_wrapper.norm_shrink(
+            x, residual, weight, eps, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.base_layer.weight
+        )  # fmt: skip
+        if fused is None:
+            return None
+        out, new_residual, buf = fused
+        self._norm_shrunk = (out, buf)
+        return out if residual is None else (out, new_residual)
+
+    def take_norm_shrunk(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shrink ``fuse_norm`` computed, if x is the norm output it was computed from (once)."""
+        pending, self._norm_shrunk = self._norm_shrunk, None
+        return pending[1] if pending is not None and pending[0] is x else None
 
     def _fusable(self) -> bool:
         """Whether this step's LoRA may take a kernel path that fuses it with the GEMM (the punica

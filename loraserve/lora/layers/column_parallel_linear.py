@@ -73,12 +73,14 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
         activation's launch instead of the GEMM's epilogue where that is faster (``gated_lora``)."""
         base = self.base_layer
         if isinstance(act, SiluAndMul) and not base.gather_output and self.n_slices == 2 and self._fusable():
+            pending = self._norm_shrunk
             out = self.punica_wrapper.linear_with_lora(
                 x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks,
-                then_silu_and_mul=True,
+                then_silu_and_mul=True, shrunk=self.take_norm_shrunk(x),
             )
             if out is not None:
                 return out
+            self._norm_shrunk = pending  # not taken: the epilogue path below uses it
         return act(self(x))
 
 

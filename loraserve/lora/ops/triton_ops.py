@@ -15,7 +15,7 @@ import os
 import torch
 
 from loraserve.layers import triton_decode_linear as decode
-from loraserve.lora.ops.triton import gated_lora, lora_prefill
+from loraserve.lora.ops.triton import gated_lora, lora_prefill, norm_shrink
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
@@ -90,6 +90,7 @@ class TritonLoRAOps:
         meta: SegmentMeta,
         token_slots: torch.Tensor,
         then_silu_and_mul: bool = False,
+        shrunk: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """x W^T + b + the per-token LoRA delta as two launches (shrink, then the GEMM with the expand
         in its epilogue, PDL-overlapped; the shrink launches while the kernel before it runs when that
@@ -101,7 +102,11 @@ class TritonLoRAOps:
         three launches: the shrink, the plain GEMM (streaming W while the shrink runs), and SiLU-and-mul
         with the delta added first (``gated_lora``); or None where that is not the faster path
         (``gated_lora.prefer``) or does not apply: the caller then takes the path above and SiLU-and-mul.
-        The same numbers as that path."""
+        The same numbers as that path.
+
+        ``shrunk``: x's shrink as ``lora_shrink(..., zero_fill=True)`` writes it, computed by the launch
+        that wrote x (``norm_shrink``): no shrink launch, and the GEMM is an ordinary link of the PDL
+        chain (it waits for that launch before reading x, so buf is complete too)."""
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
         if then_silu_and_mul:
             gate_up = len(lora_b_stacked) == 2 and lora_b_stacked[0].shape == lora_b_stacked[1].shape
@@ -110,15 +115,42 @@ class TritonLoRAOps:
                 return None
         if tiles is None:
             return None
-        shrunk = self._decode_shrink(x, lora_a_stacked, ranks, meta)
-        if shrunk is None:
-            return None if then_silu_and_mul else decode.decode_linear(x, weight, bias, tiles=tiles)
-        buf, pdl = shrunk
+        if shrunk is not None:
+            buf, pdl = shrunk, False
+        else:
+            own = self._decode_shrink(x, lora_a_stacked, ranks, meta)
+            if own is None:
+                return None if then_silu_and_mul else decode.decode_linear(x, weight, bias, tiles=tiles)
+            buf, pdl = own
         if then_silu_and_mul:
             y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
             return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots)
         epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
+
+    def norm_shrink(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        ranks: list[int],
+        weight: torch.Tensor,
+        meta: SegmentMeta,
+        token_slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """(RMSNorm(x + residual), x + residual, the output's shrink) in one launch (``norm_shrink``), where
+        it is on (LORASERVE_NORM_SHRINK=1), the kernel supports the shapes, some slot has a rank, and
+        ``linear_with_lora`` of the output with this GEMM ``weight`` takes the decode path; else None."""
+        if not norm_shrink.ENABLED or x.dim() != 2 or not norm_shrink.supports(x, lora_a_stacked):
+            return None
+        if self._decode_tiles(x, weight, lora_b_stacked, meta) is None:
+            return None
+        if not meta.static and max(ranks) == 0:
+            return None  # nothing to add: linear_with_lora runs the plain GEMM
+        return norm_shrink.norm_shrink(x, residual, norm_weight, eps, lora_a_stacked, token_slots, self.ranks_tensor(ranks))
 
     def _decode_tiles(self, x, weight, lora_b_stacked, meta) -> decode.DecodeTiles | None:
         """The decode GEMM's tiles for this LoRA'd product, or None where ``decode_linear`` does not apply

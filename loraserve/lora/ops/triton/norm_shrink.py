@@ -1,0 +1,141 @@
+"""RMSNorm (with the residual add before it, or without) and the LoRA shrink of the projection it feeds,
+in one launch: what a decode step's input and post-attention norms can run when their output is x of a
+LoRA'd qkv or gate/up projection (opt-in: ``ENABLED``, ``LORASERVE_NORM_SHRINK=1``).
+
+    out, residual' = the norm's own numbers (``triton_elementwise``'s kernels, the same jit helper)
+    buf[0, i, t, r] = sum_k A_i[slot(t), r, k] * out[t, k]      (fp32; zeros for r >= rank(slot(t)))
+
+Why: on a small model's decode step every launch is latency, and the separate shrink sits between the
+norm and the GEMM's epilogue, which waits for it. Here a program loads its tile of A (weights, and the
+token's slot: the mapping, written before the forward) before its PDL wait, while the kernel before it
+runs; after the wait it normalizes its row and dots it with that tile. The GEMM that follows is then an
+ordinary link of the PDL chain (it waits for this launch, so for buf too) and no shrink launch is left.
+Untimed on a GPU so far (the session that wrote it had no device): hence opt-in.
+
+Layout: program (t, j) owns token t and rank block j % NUM_RBLOCKS of slice j // NUM_RBLOCKS; each
+program recomputes its row's norm (one row of x, and of the residual: a few KB), and only j == 0 stores
+the norm's outputs. A tile of A is (BLOCK_R, next_pow2(K)) in registers: hidden sizes up to
+``MAX_HIDDEN`` (4096 on 16 warps: 128 values a thread, as at 1024 on 4 warps).
+
+Numbers: the products of a half-precision A and the rounded norm output are exact in fp32, and the sum
+is fp32, as the shrink's tf32 MMA (exact products for half operands, fp32 sums) in another order. fp32 A
+(whose products the shrink takes in tf32) is not taken here: ``supports`` says so, and the caller runs
+the separate shrink. Every column r < R of a token with a slot is written (what decode_linear's epilogue
+and ``gated_lora`` read: they load no rank); rows of base tokens are not.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from loraserve.layers.triton_elementwise import rms_norm_row
+from loraserve.lora.ops.triton.utils import pdl_chain, tl_dtype
+
+# LORASERVE_NORM_SHRINK=1: the decode step's norms compute the shrink of the LoRA'd projection they feed
+ENABLED = os.environ.get("LORASERVE_NORM_SHRINK", "0") == "1"
+MAX_HIDDEN = 4096  # a row of A's tile per rank in registers: past this the separate shrink runs
+BLOCK_R = 16
+
+
+@triton.jit
+def _norm_shrink_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, slots_ptr, rank_ptr,
+    stride_x, stride_r, stride_o, stride_ro, stride_as, stride_ar, stride_bi, stride_bm, N, R, eps,
+    HAS_RESIDUAL: tl.constexpr, NUM_RBLOCKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL_CHAIN: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    sl = j // NUM_RBLOCKS
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    offs_r = (j % NUM_RBLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if PDL_CHAIN:  # a link of the step's PDL chain: the next kernel (the GEMM) may launch now
+        tl.extra.cuda.gdc_launch_dependents()
+    # before the wait: the mapping and the weights only (written before the forward)
+    slot = tl.load(slots_ptr + row)
+    rank = tl.load(rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    if sl == 0:
+        a_ptr = a0_ptr
+    elif sl == 1:
+        a_ptr = a1_ptr
+    else:
+        a_ptr = a2_ptr
+    a_ptrs = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs[None, :]
+    a = tl.load(a_ptrs, mask=(offs_r < rank)[:, None] & mask[None, :], other=0.0)
+    if PDL_CHAIN:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # the fused add: torch's x + residual (fp32 add, one rounding)
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(r_out_ptr.dtype.element_ty)
+        if j == 0:
+            tl.store(r_out_ptr + row * stride_ro + offs, x, mask=mask)
+    out = rms_norm_row(x, w_ptr, offs, mask, N, eps).to(out_ptr.dtype.element_ty)
+    if j == 0:
+        tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+    s = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1)  # (BLOCK_R,): zeros past the rank
+    if slot >= 0:
+        tl.store(buf_ptr + sl * stride_bi + row * stride_bm + offs_r, s, mask=offs_r < R)
+
+
+def supports(x: torch.Tensor, lora_a: tuple[torch.Tensor, ...]) -> bool:
+    """Whether this launch can compute the shrink of x (T, K) with these A stacks (S, 1, R, K): half-precision
+    A and x, K up to MAX_HIDDEN, 1-3 slices, A contiguous along K."""
+    a0 = lora_a[0]
+    return (
+        1 <= len(lora_a) <= 3
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and a0.dtype in (torch.float16, torch.bfloat16)
+        and x.shape[-1] <= MAX_HIDDEN
+        and a0.shape[3] == x.shape[-1]
+        and all(a.shape == a0.shape and a.stride() == a0.stride() and a.stride(3) == 1 for a in lora_a)
+    )
+
+
+def norm_shrink(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    lora_a: tuple[torch.Tensor, ...],
+    token_slots: torch.Tensor,
+    ranks: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(out, residual', buf): ``fused_add_rms_norm(x, residual, weight, eps)`` (``rms_norm`` when residual is
+    None, residual' None), and buf (1, n_slices, T, R) fp32 = out @ A_i[slot]^T per token with a slot
+    (``lora_shrink(..., zero_fill=True)``'s output: every column r < R written, zeros past the slot's rank;
+    rows of base tokens unwritten). x: (T, K); token_slots: (T,) int, -1 = base; ranks: int32 per slot."""
+    assert supports(x, lora_a), "norm_shrink: half-precision x and A, K <= MAX_HIDDEN (check supports())"
+    T, K = x.shape
+    assert weight.shape == (K,), f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}"
+    assert token_slots.shape == (T,) and ranks.dtype == torch.int32, "token_slots (T,), ranks int32"
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
+    tl_dtype(x.dtype)
+    a0 = lora_a[0]
+    n, R = len(lora_a), a0.shape[2]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    res = x if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
+    out = torch.empty((T, K), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    r_out = torch.empty((T, K), dtype=x.dtype, device=x.device) if residual is not None else out
+    buf = torch.empty((1, n, T, R), dtype=torch.float32, device=x.device)
+    if T:
+        block = triton.next_power_of_2(K)
+        n_rblocks = triton.cdiv(R, BLOCK_R)
+        chain = pdl_chain(x.device)
+        a1 = lora_a[1] if n > 1 else a0
+        a2 = lora_a[2] if n > 2 else a0
+        _norm_shrink_kernel[(T, n * n_rblocks)](
+            x, res, weight, out, r_out, a0, a1, a2, buf, token_slots, ranks,
+            x.stride(0), res.stride(0), out.stride(0), r_out.stride(0), a0.stride(0), a0.stride(2),
+            buf.stride(1), buf.stride(2), K, R, eps,
+            HAS_RESIDUAL=residual is not None, NUM_RBLOCKS=n_rblocks, BLOCK=block, BLOCK_R=BLOCK_R,
+            PDL_CHAIN=chain, num_warps=min(16, max(4, block // 256)), launch_pdl=chain,
+        )  # fmt: skip
+    return out, (r_out if residual is not None else None), buf

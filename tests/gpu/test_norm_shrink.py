@@ -1,0 +1,153 @@
+"""norm_shrink (RMSNorm, with or without the residual add, and the LoRA shrink of its output in one launch)
+against the kernels it replaces, on random data.
+
+- the norm's outputs are bit-equal to ``fused_add_rms_norm`` / ``rms_norm``'s (the same jit helper);
+- buf equals out @ A_i[slot]^T per token with a slot, in float64 from the rounded norm output (the
+  products of half operands are exact in fp32; only the fp32 sum's order differs): 1e-5 relative;
+  columns past a slot's rank are exactly zero though A holds garbage there;
+- through ``TritonLoRAOps.linear_with_lora(..., shrunk=buf)`` (the GEMM with the delta in its epilogue,
+  and the gated SiLU-and-mul path) the outputs equal those of the path with its own shrink launch;
+- a decoder norm that ``feeds`` a LoRA'd projection hands it the buf, and the projection's output equals
+  the unfused path's.
+
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (fp16 there: the interpreter has no bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.test_decode_linear import lora_stacks, rel_err
+from tests.gpu.triton_device import triton_device
+
+DEV = triton_device()
+
+from loraserve.layers import triton_elementwise as tew  # noqa: E402
+from loraserve.lora.ops.triton import norm_shrink as ns  # noqa: E402
+from loraserve.lora.ops.triton_ops import TritonLoRAOps  # noqa: E402
+from loraserve.lora.punica import LoRAMapping, SegmentMeta  # noqa: E402
+
+HALF = [torch.float16] + ([torch.bfloat16] if DEV.type == "cuda" else [])
+
+CASES = [
+    # T, K, slices, S, R
+    (32, 896, 3, 8, 16),  # Qwen2.5-0.5B's hidden size: K masked to a block of 1024
+    (5, 256, 2, 3, 32),  # two rank blocks
+    (1, 128, 1, 2, 16),
+    (9, 512, 3, 5, 48),  # three rank blocks, R not a power of two
+]
+
+
+def mapping_of(slots: list[int]):
+    mapping = LoRAMapping.build(slots, slots, DEV)
+    meta = mapping.token_meta or SegmentMeta.build(
+        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
+    )
+    return mapping, meta
+
+
+def random_case(T, K, n, S, R, xdt, adt, seed):
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(1, R + 1, (S,), generator=g).tolist()
+    ranks[0] = R
+    if S > 2:
+        ranks[1] = 0  # a slot with no rank: its tokens' rows are zeros
+    x = torch.randn(T, K, generator=g).to(DEV, xdt)
+    res = torch.randn(T, K, generator=g).to(DEV, xdt)
+    w = (1 + 0.3 * torch.randn(K, generator=g)).to(DEV, xdt)
+    As, Bs = lora_stacks(g, S, R, K, (64,) * n, ranks, adt)  # A holds 1e4 past each slot's rank
+    slots = [-1 if t % 4 == 3 else t % S for t in range(T)]
+    return x, res, w, As, Bs, ranks, slots
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-K{c[1]}-{c[2]}sl-S{c[3]}-R{c[4]}")
+@pytest.mark.parametrize("residual", [True, False], ids=["add-norm", "norm"])
+@pytest.mark.parametrize("dtypes", [(x, a) for x in HALF for a in HALF], ids=lambda d: f"{d[0]}-A{d[1]}"[6:])
+def test_norm_shrink_matches_the_norm_and_the_shrink(case, residual, dtypes):
+    T, K, n, S, R = case
+    xdt, adt = dtypes
+    x, res, w, As, _, ranks, slots = random_case(T, K, n, S, R, xdt, adt, seed=T + K + n)
+    mapping, _ = mapping_of(slots)
+    rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
+    out, new_res, buf = ns.norm_shrink(x, res if residual else None, w, 1e-6, As, mapping.token_slots, rank_dev)
+    if residual:
+        want_out, want_res = tew.fused_add_rms_norm(x, res, w, 1e-6)
+        assert torch.equal(new_res, want_res)
+    else:
+        want_out = tew.rms_norm(x, w, 1e-6)
+        assert new_res is None
+    assert torch.equal(out, want_out)
+    assert buf.shape == (1, n, T, R) and buf.dtype == torch.float32
+    h = out.double().cpu()
+    for i, a in enumerate(As):
+        for t, s in enumerate(slots):
+            if s < 0:
+                continue  # rows of base tokens are not read
+            r = ranks[s]
+            want = h[t] @ a[s, 0, :r].double().cpu().T
+            got = buf[0, i, t].cpu()
+            assert torch.equal(got[r:], torch.zeros(R - r)), f"slice {i} token {t}: columns past rank {r}"
+            if r:
+                err = (got[:r].double() - want).abs().max() / want.abs().max()
+                assert err < 1e-5, f"slice {i} token {t}: rel err {err}"
+
+
+def test_supports_refuses_what_it_cannot_do():
+    x = torch.zeros(4, 256, dtype=torch.float16, device=DEV)
+    a = torch.zeros(2, 1, 16, 256, dtype=torch.float16, device=DEV)
+    assert ns.supports(x, (a, a, a))
+    assert not ns.supports(x, (a.float(),)), "fp32 A: the shrink takes its products in tf32"
+    assert not ns.supports(x.float(), (a,)), "fp32 x"
+    assert not ns.supports(x, (a,) * 4), "four slices"
+    big = torch.zeros(4, 2 * ns.MAX_HIDDEN, dtype=torch.float16, device=DEV)
+    assert not ns.supports(big, (torch.zeros(2, 1, 16, 2 * ns.MAX_HIDDEN, dtype=torch.float16, device=DEV),))
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["epilogue", "gated-silu"])
+def test_linear_with_lora_takes_the_norms_shrink(gated, monkeypatch):
+    """The GEMM given the norm's buf (no shrink launch) gives what it gives with its own shrink."""
+    from loraserve.lora.ops.triton import gated_lora, lora_shrink
+
+    monkeypatch.setattr(gated_lora, "prefer", lambda N, K: True)
+    T, K, S, R = 12, 256, 4, 16
+    n = 2 if gated else 3
+    x, res, w, As, _, ranks, slots = random_case(T, K, n, S, R, torch.float16, torch.float16, seed=7)
+    g = torch.Generator().manual_seed(8)
+    outs = (128,) * n
+    _, Bs = lora_stacks(g, S, R, K, outs, ranks, torch.float16)
+    weight = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
+    mapping, meta = mapping_of(slots)
+    ops = TritonLoRAOps(DEV)
+    monkeypatch.setattr(ns, "ENABLED", True)
+    fused = ops.norm_shrink(x, res, w, 1e-6, As, Bs, ranks, weight, meta, mapping.token_slots)
+    assert fused is not None, "decode sizes with fp16 A take the fused norm"
+    out, _, buf = fused
+    launches = []
+    real = lora_shrink.lora_shrink
+    monkeypatch.setattr("loraserve.lora.ops.triton_ops.lora_shrink", lambda *a, **k: launches.append(1) or real(*a, **k))
+    y = ops.linear_with_lora(out, weight, None, As, Bs, ranks, meta, mapping.token_slots, gated, shrunk=buf)
+    assert y is not None and not launches, "the norm's buf is used, no shrink launched"
+    want = ops.linear_with_lora(out, weight, None, As, Bs, ranks, meta, mapping.token_slots, gated)
+    assert launches, "the reference path launches its own shrink"
+    assert rel_err(y, want) < 1e-3
+    lora_rows = [t for t, s in enumerate(slots) if s >= 0 and ranks[s] > 0]
+    base = ops.linear_with_lora(out, weight, None, As, Bs, [0] * S, meta, mapping.token_slots, gated)
+    if base is not None:
+        assert not torch.equal(y[lora_rows], base[lora_rows]), "the delta was added"
+
+
+def test_norm_shrink_is_off_unless_enabled_or_unsupported(monkeypatch):
+    T, K, S, R = 4, 256, 2, 16
+    x, res, w, As, Bs, ranks, slots = random_case(T, K, 1, S, R, torch.float16, torch.float16, seed=3)
+    weight = torch.zeros(64, K, dtype=torch.float16, device=DEV)
+    mapping, meta = mapping_of(slots)
+    ops = TritonLoRAOps(DEV)
+    args = (ranks, weight, meta, mapping.token_slots)
+    monkeypatch.setattr(ns, "ENABLED", False)
+    assert ops.norm_shrink(x, res, w, 1e-6, As, Bs, *args) is None
+    monkeypatch.setattr(ns, "ENABLED", True)
+    assert ops.norm_shrink(x, res, w, 1e-6, As, Bs, *args) is not None
+    As32 = tuple(a.float() for a in As)
+    assert ops.norm_shrink(x, res, w, 1e-6, As32, Bs, *args) is None, "fp32 A: the separate shrink"
+    assert ops.norm_shrink(x, res, w, 1e-6, As, Bs, [0] * S, weight, meta, mapping.token_slots) is None, "no rank"
