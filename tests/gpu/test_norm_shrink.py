@@ -151,3 +151,95 @@ def test_norm_shrink_is_off_unless_enabled_or_unsupported(monkeypatch):
     As32 = tuple(a.float() for a in As)
     assert ops.norm_shrink(x, res, w, 1e-6, As32, Bs, *args) is None, "fp32 A: the separate shrink"
     assert ops.norm_shrink(x, res, w, 1e-6, As, Bs, [0] * S, weight, meta, mapping.token_slots) is None, "no rank"
+
+
+def _lora_model(seed: int):
+    """test_fused_decoder_path's tiny Llama in fp16 with its four linear layers LoRA'd (fp16 A and B, random
+    within each slot's rank: 16, 8, 4, 0), on the Triton LoRA kernels whatever the device."""
+    import dataclasses
+
+    import transformers
+
+    from loraserve.config import LoRAConfig
+    from loraserve.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from loraserve.lora.manager import LoRAManager
+    from loraserve.models.loader import init_dummy_weights
+    from loraserve.models.registry import get_model_class
+    from tests.gpu import test_fused_decoder_path as fdp
+
+    # k and v of 64 columns: the decode GEMM's column block (fdp's SMALL model has 32, which it refuses)
+    hf_cfg = transformers.LlamaConfig(**{**fdp.SMALL, "hidden_size": 128, "num_attention_heads": 4},
+                                      intermediate_size=128, architectures=["LlamaForCausalLM"])  # fmt: skip
+    model = get_model_class(hf_cfg)(hf_cfg)
+    init_dummy_weights(model, seed=seed, std=0.15)
+    model = model.half().to(DEV).eval()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    cfg = LoRAConfig(max_loras=4, max_lora_rank=16, lora_dtype=torch.float16, lora_target_modules=targets)
+    mgr = LoRAManager(model, cfg, hf_cfg, DEV)
+    mgr.punica.kernels, mgr.punica.fuses_linear = TritonLoRAOps(DEV), True
+    g = torch.Generator().manual_seed(seed)
+    layers = [m for m in mgr.modules.values() if isinstance(m, BaseLinearLayerWithLoRA)]
+    assert len(layers) == 8
+    for layer in layers:
+        for s, r in enumerate((16, 8, 4, 0)):
+            for a, b in zip(layer.lora_a_stacked, layer.lora_b_stacked):
+                a[s, 0, :r] = (torch.randn(r, a.shape[3], generator=g) * 0.2).to(a)
+                b[s, 0, :, :r] = (torch.randn(b.shape[2], r, generator=g) * 0.2).to(b)
+            layer.slot_ranks[s] = r
+
+    def mapping(n_tokens: int):
+        slots = [-1 if t % 5 == 4 else t % 4 for t in range(n_tokens)]
+        m = LoRAMapping.build(slots, slots, DEV)
+        if m.token_meta is None:  # built on the CPU: the kernels' view, as CUDA's build makes it
+            meta = SegmentMeta.build(m.token_order.cpu(), m.active_slots, m.seg_starts, m.seg_lens, DEV)
+            m = dataclasses.replace(m, token_meta=meta)
+        return m
+
+    return model, mapping, fdp
+
+
+def _run_lora_steps(model, mapping, fdp) -> list[torch.Tensor]:
+    from loraserve.engine.model_runner import attention_layers
+    from loraserve.forward_context import forward_context
+
+    for attn in attention_layers(model):
+        k = torch.zeros(fdp.NUM_BLOCKS * fdp.BLOCK_SIZE, attn.num_kv_heads, attn.head_dim, dtype=torch.float16, device=DEV)
+        attn.bind_kv_cache(k, torch.zeros_like(k))
+    g = torch.Generator().manual_seed(0)
+    logits = []
+    for step in fdp.STEPS:
+        md, pos = fdp.metadata(step, DEV)
+        ids = torch.randint(2, 256, (pos.shape[0],), generator=g).to(DEV)
+        with torch.inference_mode(), forward_context(attn=md, lora=mapping(pos.shape[0])):
+            logits.append(model.compute_logits(model(ids, pos)).float().cpu())
+    return logits
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated-silu", "gate-up-epilogue"])
+def test_decoder_norms_hand_qkv_and_gate_up_their_shrink(gated, monkeypatch):
+    """A tiny LoRA'd Llama's steps through the Triton path (fp16, 4-8 tokens a step, slots of ranks 16/8/4/0
+    and base tokens): with the shrink in the norms the logits equal those of the shrink launches, the
+    norms compute qkv's (3 slices) and gate/up's (2), and the only shrink launches left are o's and down's.
+    Either path of gate/up takes the norm's shrink: the SiLU-and-mul launch (gated) or the GEMM's epilogue."""
+    from loraserve.lora.ops.triton import gated_lora
+
+    model, mapping, fdp = _lora_model(seed=1)
+    fdp.take_gpu_path(monkeypatch)
+    monkeypatch.setattr(gated_lora, "prefer", lambda N, K: gated)
+    shrinks, norms = [], []
+    real_shrink, real_norm = TritonLoRAOps.__init__.__globals__["lora_shrink"], ns.norm_shrink
+    monkeypatch.setattr("loraserve.lora.ops.triton_ops.lora_shrink", lambda *a, **k: shrinks.append(len(a[1])) or real_shrink(*a, **k))
+    monkeypatch.setattr(ns, "norm_shrink", lambda *a, **k: norms.append(len(a[4])) or real_norm(*a, **k))
+    monkeypatch.setattr(ns, "ENABLED", False)
+    want = _run_lora_steps(model, mapping, fdp)
+    n_steps, n_layers = len(fdp.STEPS), 2
+    assert not norms and len(shrinks) == 4 * n_layers * n_steps, shrinks
+    shrinks.clear()
+    monkeypatch.setattr(ns, "ENABLED", True)
+    got = _run_lora_steps(model, mapping, fdp)
+    assert norms == [3, 2] * n_layers * n_steps, f"each layer's two norms, qkv's then gate/up's: {norms}"
+    assert shrinks == [1, 1] * n_layers * n_steps, f"only o and down launch a shrink: {shrinks}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")
+    for layer in model.modules():
+        assert getattr(layer, "_norm_shrunk", None) is None, "every shrink the norms made was taken"
