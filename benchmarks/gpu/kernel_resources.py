@@ -7,6 +7,7 @@ decides how many waves a GEMM of many column blocks (gate_up: 448) runs in. Runs
 installed (the CPU machine too); nothing here is timed.
 
     python benchmarks/gpu/kernel_resources.py
+    python benchmarks/gpu/kernel_resources.py --norm-shrink   # lora/ops/triton/norm_shrink.py's kernel
 """
 
 from __future__ import annotations
@@ -84,7 +85,41 @@ def registers_and_stack(kernel) -> tuple[int, int]:
     return int(fields["REG"]), int(fields["STACK"])
 
 
+def norm_shrink_resources() -> None:
+    """``norm_shrink``'s kernel as launched for bf16 x (the fused add + norm) at a few hidden sizes."""
+    from loraserve.lora.ops.triton import norm_shrink as ns
+
+    fn = ns._norm_shrink_kernel
+    print("| K | A | warps | ranks a program | registers | spill bytes |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for K, adt in ((896, "*fp16"), (1536, "*fp16"), (2048, "*bf16"), (4096, "*fp16")):
+        block = triton.next_power_of_2(K)
+        ptrs = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", r_out_ptr="*bf16", a0_ptr=adt,
+                    a1_ptr=adt, a2_ptr=adt, buf_ptr="*fp32", slots_ptr="*i64", rank_ptr="*i32")  # fmt: skip
+        consts = dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.block_r(block), PDL_CHAIN=True)
+        sig, const, attrs = {}, {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in ptrs:
+                sig[name] = ptrs[name]
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif fn.params[i].is_constexpr:
+                sig[name], const[name] = "constexpr", consts[name]
+            else:
+                sig[name] = "fp32" if name == "eps" else "i32"
+                if name.startswith("stride") and name != "stride_ar":
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        warps = min(16, max(4, block // 256))
+        k = triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET, options=dict(num_warps=warps))
+        regs, stack = registers_and_stack(k)
+        print(f"| {K} | {adt[1:]} | {warps} | {ns.block_r(block)} | {regs} | {stack} |", flush=True)
+
+
 def main() -> None:
+    import sys
+
+    if "--norm-shrink" in sys.argv:
+        norm_shrink_resources()
+        return
     print("| op | LoRA B | epilogue columns per MMA | register cap | registers | spill bytes | shared KB | programs per SM (regs, smem) | programs | waves |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     configs = [(None, 0, 0), ("fp32", 128, 0), ("fp32", 64, 0), ("fp32", 32, 0), ("fp32", 128, 168),
