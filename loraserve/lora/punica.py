@@ -142,6 +142,12 @@ class PunicaWrapper:
         # whether linear_with_lora can fuse at all: asked before a layer checks its slots' extras
         self.fuses_linear = self.kernels is not None and self.kernels.fuses_linear
 
+    @property
+    def fuses_norm(self) -> bool:
+        """Whether ``norm_shrink`` can run at all (its kernel and LORASERVE_NORM_SHRINK=1): asked first, so
+        that the norms of a step that cannot take it cost no more than the attribute lookup."""
+        return self.fuses_linear and self.kernels.fuses_norm
+
     @staticmethod
     def mapping() -> LoRAMapping | None:
         return current_lora_mapping()

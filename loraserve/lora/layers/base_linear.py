@@ -170,7 +170,8 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         step's LoRA would not take the fused decode path (the norm then runs alone). The shrink is kept
         for the call of this layer whose x is the norm's output (``take_norm_shrunk``)."""
         self._norm_shrunk = None
-        if not self._fusable():
+        pw = self.punica_wrapper
+        if pw is None or not pw.fuses_norm or not self._fusable():
             return None
         fused = self.punica_wrapper.norm_shrink(
             x, residual, weight, eps, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.base_layer.weight

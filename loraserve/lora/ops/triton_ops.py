@@ -36,6 +36,11 @@ class TritonLoRAOps:
         # ``slot_ranks`` list for life, so the id is stable; holding the list keeps the id unique.
         self._ranks: dict[int, tuple[list[int], tuple[int, ...], torch.Tensor]] = {}
 
+    @property
+    def fuses_norm(self) -> bool:
+        """Whether the decoder's norms may compute the shrink of the projection they feed (``norm_shrink``)."""
+        return norm_shrink.ENABLED
+
     def ranks_tensor(self, ranks: list[int]) -> torch.Tensor:
         """The device copy of a layer's per-slot ranks, refreshed in place when the list changed."""
         entry = self._ranks.get(id(ranks))
@@ -144,7 +149,7 @@ class TritonLoRAOps:
         """(RMSNorm(x + residual), x + residual, the output's shrink) in one launch (``norm_shrink``), where
         it is on (LORASERVE_NORM_SHRINK=1), the kernel supports the shapes, some slot has a rank, and
         ``linear_with_lora`` of the output with this GEMM ``weight`` takes the decode path; else None."""
-        if not norm_shrink.ENABLED or x.dim() != 2 or not norm_shrink.supports(x, lora_a_stacked):
+        if not self.fuses_norm or x.dim() != 2 or not norm_shrink.supports(x, lora_a_stacked):
             return None
         if self._decode_tiles(x, weight, lora_b_stacked, meta) is None:
             return None
