@@ -96,7 +96,7 @@ def norm_shrink_resources() -> None:
         block = triton.next_power_of_2(K)
         ptrs = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", r_out_ptr="*bf16", a0_ptr=adt,
                     a1_ptr=adt, a2_ptr=adt, buf_ptr="*fp32", slots_ptr="*i64", rank_ptr="*i32")  # fmt: skip
-        consts = dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.block_r(block), PDL_CHAIN=True)
+        consts = dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True)
         sig, const, attrs = {}, {}, {}
         for i, name in enumerate(fn.arg_names):
             if name in ptrs:
@@ -106,12 +106,12 @@ def norm_shrink_resources() -> None:
                 sig[name], const[name] = "constexpr", consts[name]
             else:
                 sig[name] = "fp32" if name == "eps" else "i32"
-                if name.startswith("stride") and name != "stride_ar":
+                if name.startswith("stride") or name == "N":  # K and its multiples (stride_ar is K)
                     attrs[(i,)] = [["tt.divisibility", 16]]
-        warps = min(16, max(4, block // 256))
+        warps = ns.num_warps(block)
         k = triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET, options=dict(num_warps=warps))
         regs, stack = registers_and_stack(k)
-        print(f"| {K} | {adt[1:]} | {warps} | {ns.block_r(block)} | {regs} | {stack} |", flush=True)
+        print(f"| {K} | {adt[1:]} | {warps} | {ns.BLOCK_R} | {regs} | {stack} |", flush=True)
 
 
 def main() -> None:

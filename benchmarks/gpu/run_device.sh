@@ -207,7 +207,7 @@ for stage in "$@"; do
             timeout 200 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
             ;;
         norm19)
-            timeout 300 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
+            timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
             for knobs in "" "LORASERVE_NORM_SHRINK=1" "LORASERVE_SHRINK_DECODE_BLOCK_K=1024,512 LORASERVE_SHRINK_FUSE_DECODE=0"; do
                 name=$(echo "${knobs:-default}" | tr ' =,' '___')
                 echo "### step_trace qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/step_trace.txt"

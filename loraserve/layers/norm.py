@@ -28,8 +28,9 @@ class RMSNorm(nn.Module):
         """``feeds``: the layer that takes this norm's output as its input, if the caller knows it. A layer
         with a ``fuse_norm(x, residual, weight, eps)`` method may compute the norm itself, with work of
         its own in the same launch (a LoRA'd projection's shrink); it returns what this method would, or
-        None, and then the norm runs here."""
-        if feeds is not None and on_triton(x):
+        None, and then the norm runs here. Not with LORASERVE_FUSED_ELEMENTWISE=0 when there is a residual
+        (that switch separates the add from the norm)."""
+        if feeds is not None and on_triton(x) and (residual is None or FUSED_ELEMENTWISE):
             fuse_norm = getattr(feeds, "fuse_norm", None)
             fused = fuse_norm(x, residual, self.weight, self.eps) if fuse_norm is not None else None
             if fused is not None:

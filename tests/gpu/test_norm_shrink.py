@@ -36,7 +36,7 @@ CASES = [
     (5, 256, 2, 3, 32),  # two rank blocks
     (1, 128, 1, 2, 16),
     (9, 512, 3, 5, 48),  # three rank blocks, R not a power of two
-    (3, 2304, 2, 3, 16),  # past K = 2048: 8 ranks a program (block_r), two blocks for rank 16
+    (3, 2304, 2, 3, 16),  # a row block of 4096 (16 warps on the GPU)
 ]
 
 

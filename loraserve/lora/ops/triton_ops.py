@@ -151,6 +151,8 @@ class TritonLoRAOps:
         ``linear_with_lora`` of the output with this GEMM ``weight`` takes the decode path; else None."""
         if not self.fuses_norm or x.dim() != 2 or not norm_shrink.supports(x, lora_a_stacked):
             return None
+        if torch.promote_types(norm_weight.dtype, x.dtype) != x.dtype:
+            return None  # the norm's output (weight * x's dtype) would not be what decode_linear takes
         if self._decode_tiles(x, weight, lora_b_stacked, meta) is None:
             return None
         if not meta.static and max(ranks) == 0:

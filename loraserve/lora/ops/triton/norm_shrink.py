@@ -14,8 +14,10 @@ Untimed on a GPU so far (the session that wrote it had no device): hence opt-in.
 
 Layout: program (t, j) owns token t and rank block j % NUM_RBLOCKS of slice j // NUM_RBLOCKS; each
 program recomputes its row's norm (one row of x, and of the residual: a few KB), and only j == 0 stores
-the norm's outputs. A tile of A is (BLOCK_R, next_pow2(K)) in registers: hidden sizes up to
-``MAX_HIDDEN`` (16 ranks a program up to K = 2048, 8 past it: ``block_r``).
+the norm's outputs. It runs on as many warps as the norm kernels (``num_warps``): the same layout of
+the row, so the same order of the variance's fp32 sum and the same bits (a review compiled both for
+sm_90: with 4 warps against their 1-2 at K <= 512 the layouts, and so the sums' order, differed). A
+tile of A, (BLOCK_R, next_pow2(K)), sits in registers: hidden sizes up to ``MAX_HIDDEN``.
 
 Numbers: the products of a half-precision A and the rounded norm output are exact in fp32, and the sum
 is fp32, as the shrink's tf32 MMA (exact products for half operands, fp32 sums) in another order. fp32 A
@@ -38,13 +40,14 @@ from loraserve.lora.ops.triton.utils import pdl_chain, tl_dtype
 # LORASERVE_NORM_SHRINK=1: the decode step's norms compute the shrink of the LoRA'd projection they feed
 ENABLED = os.environ.get("LORASERVE_NORM_SHRINK", "0") == "1"
 MAX_HIDDEN = 4096  # a row of A's tile per rank in registers: past this the separate shrink runs
+# Ranks a program owns. Compiled for sm_90 (bf16 x, fp16 A; ``kernel_resources.py --norm-shrink``): 92-161
+# registers a thread at K = 896-4096, no spill
+BLOCK_R = 16
 
 
-def block_r(block: int) -> int:
-    """Ranks a program owns. Compiled for sm_90 (bf16 x, fp16 A, 16 ranks; registers / spilled bytes): K = 896
-    on 4 warps 168 / 0; 2048 on 8 warps 174 / 0; 4096 on 16 warps 128 / 88 (the cap of 16 warps): so 8
-    ranks a program past K = 2048."""
-    return 16 if block <= 2048 else 8
+def num_warps(block: int) -> int:
+    """The norm kernels' warps for a row of ``block`` (triton_elementwise): the same layout, the same sums."""
+    return min(16, max(1, block // 256))
 
 
 @triton.jit
@@ -100,7 +103,8 @@ def supports(x: torch.Tensor, lora_a: tuple[torch.Tensor, ...]) -> bool:
         and a0.dtype in (torch.float16, torch.bfloat16)
         and x.shape[-1] <= MAX_HIDDEN
         and a0.shape[3] == x.shape[-1]
-        and all(a.shape == a0.shape and a.stride() == a0.stride() and a.stride(3) == 1 for a in lora_a)
+        and all(a.shape == a0.shape and a.stride() == a0.stride() and a.dtype == a0.dtype and a.stride(3) == 1
+                for a in lora_a)
     )
 
 
@@ -133,8 +137,7 @@ def norm_shrink(
     buf = torch.empty((1, n, T, R), dtype=torch.float32, device=x.device)
     if T:
         block = triton.next_power_of_2(K)
-        rb = block_r(block)
-        n_rblocks = triton.cdiv(R, rb)
+        n_rblocks = triton.cdiv(R, BLOCK_R)
         chain = pdl_chain(x.device)
         a1 = lora_a[1] if n > 1 else a0
         a2 = lora_a[2] if n > 2 else a0
@@ -142,7 +145,7 @@ def norm_shrink(
             x, res, weight, out, r_out, a0, a1, a2, buf, token_slots, ranks,
             x.stride(0), res.stride(0), out.stride(0), r_out.stride(0), a0.stride(0), a0.stride(2),
             buf.stride(1), buf.stride(2), K, R, eps,
-            HAS_RESIDUAL=residual is not None, NUM_RBLOCKS=n_rblocks, BLOCK=block, BLOCK_R=rb,
-            PDL_CHAIN=chain, num_warps=min(16, max(4, block // 256)), launch_pdl=chain,
+            HAS_RESIDUAL=residual is not None, NUM_RBLOCKS=n_rblocks, BLOCK=block, BLOCK_R=BLOCK_R,
+            PDL_CHAIN=chain, num_warps=num_warps(block), launch_pdl=chain,
         )  # fmt: skip
     return out, (r_out if residual is not None else None), buf
