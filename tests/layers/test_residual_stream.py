@@ -71,6 +71,8 @@ class _Feeds(torch.nn.Module):
 
 
 def test_a_norm_hands_itself_to_the_layer_it_feeds_only_on_the_triton_path(monkeypatch):
+    import types
+
     import loraserve.layers.norm as norm_mod
 
     norm = RMSNorm(32, 1e-5)
@@ -79,10 +81,15 @@ def test_a_norm_hands_itself_to_the_layer_it_feeds_only_on_the_triton_path(monke
     taker = _Feeds(("fused", "pair"))
     assert torch.equal(norm(x, r, feeds=taker)[0], want_out) and not taker.calls, "CPU tensors: the norm runs here"
     monkeypatch.setattr(norm_mod, "on_triton", lambda t: True)
-    monkeypatch.setattr(norm_mod, "FUSED_ELEMENTWISE", False)  # the declined path: torch's add + norm
+    # the Triton add + norm, stood in for by torch's (this test runs without triton)
+    kernels = types.SimpleNamespace(fused_add_rms_norm=lambda x, r, w, eps: (rms_norm_torch(x + r, w, eps), x + r))
+    monkeypatch.setattr(norm_mod, "elementwise_kernels", lambda: kernels)
     assert norm(x, r, feeds=taker) == ("fused", "pair") and taker.calls == [(x, r, 1e-5)]
     decliner = _Feeds(None)
-    monkeypatch.setattr(norm_mod, "elementwise_kernels", lambda: pytest.fail("no Triton here"))
-    monkeypatch.setattr(norm_mod, "on_triton", lambda t: t is x or t is r)  # the fallback's own norm: torch
     out, res = norm(x, r, feeds=decliner)
     assert decliner.calls and torch.equal(out, want_out) and torch.equal(res, want_res)
+    monkeypatch.setattr(norm_mod, "FUSED_ELEMENTWISE", False)  # the switch that keeps the add apart
+    monkeypatch.setattr(norm_mod, "on_triton", lambda t: t is x)  # the separate norm: torch's
+    taker.calls.clear()
+    out, res = norm(x, r, feeds=taker)
+    assert not taker.calls and torch.equal(out, want_out) and torch.equal(res, want_res)
