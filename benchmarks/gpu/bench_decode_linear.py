@@ -292,11 +292,17 @@ def _replay_kernels(fn, path: str) -> list[tuple[str, float, float]]:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return graph_kernels(g, path)
+
+
+def graph_kernels(graph, path: str) -> list[tuple[str, float, float]]:
+    """(kernel name, start µs, end µs) of one replay of a captured graph (after 3 warm ones), from the
+    profiler's trace (written to ``path``)."""
     for _ in range(3):
-        g.replay()
+        graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        g.replay()
+        graph.replay()
         torch.cuda.synchronize()
     prof.export_chrome_trace(path)
     with open(path) as f:

@@ -20,7 +20,6 @@ The engine's knobs are environment variables read at import: run it once per set
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_decode_linear import graph_kernels  # noqa: E402
 from bench_e2e import N_ADAPTERS, timed_generate  # noqa: E402
 from dummy import hf_config, make_adapter, make_model_dir  # noqa: E402
 
@@ -41,21 +41,6 @@ from loraserve import LLM, LoRARequest  # noqa: E402
 # LORASERVE_NORM_SHRINK=1 the norm and qkv's shrink). NOTE: two norms a layer; a model with q/k norms
 # (Qwen3) runs more rms_norm kernels and would need other anchors (the two shapes here have none)
 LAYER_ANCHORS = ("rms_norm", "norm_shrink")
-
-
-def replay_kernels(graph, path: str) -> list[tuple[str, float, float]]:
-    """(kernel name, start µs, end µs) of one replay of a captured graph, from the profiler's trace."""
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    ks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
-    return [(name, t0, t1) for t0, t1, name in ks]
 
 
 def layer_starts(ks: list[tuple[str, float, float]]) -> list[int]:
@@ -107,7 +92,7 @@ def trace_shape(shape: str, root: Path, out: Path, batch: int, lora_dtype: str) 
         if bucket != batch:
             continue
         label = f"{shape} {'8 adapters' if use_lora else 'base'} (bucket {bucket}, LoRA {lora_dtype})"
-        ks = replay_kernels(graph, str(out / f"{shape}_{'lora' if use_lora else 'base'}.json"))
+        ks = graph_kernels(graph, str(out / f"{shape}_{'lora' if use_lora else 'base'}.json"))
         res[use_lora] = summarize(label, ks, layers)
         res[use_lora]["replay_ms"] = do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
     if len(res) == 2:

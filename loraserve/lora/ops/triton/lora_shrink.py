@@ -50,6 +50,7 @@ from loraserve.lora.ops.triton.utils import (
     compute_dtype_of,
     dot_in,
     persistent_buffer,
+    slice_ptr,
     sum_planes,
     tl_dtype,
     use_pdl,
@@ -199,12 +200,7 @@ def _shrink_one_slice(x_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, cnt_ptr, meta_ptr,
     if NUM_SLICES == 1:
         a_ptr = a0_ptr
     else:
-        if sl == 0:
-            a_ptr = a0_ptr
-        elif sl == 1:
-            a_ptr = a1_ptr
-        else:
-            a_ptr = a2_ptr
+        a_ptr = slice_ptr(sl, a0_ptr, a1_ptr, a2_ptr)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_len

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from loraserve.layers.triton_elementwise import rms_norm_row
-from loraserve.lora.ops.triton.utils import pdl_chain, tl_dtype
+from loraserve.lora.ops.triton.utils import pdl_chain, slice_ptr, tl_dtype
 
 # LORASERVE_NORM_SHRINK=1: the decode step's norms compute the shrink of the LoRA'd projection they feed
 ENABLED = os.environ.get("LORASERVE_NORM_SHRINK", "0") == "1"
@@ -69,13 +69,7 @@ def _norm_shrink_kernel(
     slot = tl.load(slots_ptr + row)
     rank = tl.load(rank_ptr + tl.maximum(slot, 0))
     rank = tl.where(slot >= 0, rank, 0)
-    if sl == 0:
-        a_ptr = a0_ptr
-    elif sl == 1:
-        a_ptr = a1_ptr
-    else:
-        a_ptr = a2_ptr
-    a_ptrs = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs[None, :]
+    a_ptrs = slice_ptr(sl, a0_ptr, a1_ptr, a2_ptr) + tl.maximum(slot, 0).to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs[None, :]
     a = tl.load(a_ptrs, mask=(offs_r < rank)[:, None] & mask[None, :], other=0.0)
     if PDL_CHAIN:
         tl.extra.cuda.gdc_wait()

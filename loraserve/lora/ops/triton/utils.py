@@ -66,6 +66,18 @@ def pdl_link(WAIT: tl.constexpr):
 
 
 @triton.jit
+def slice_ptr(sl, a0_ptr, a1_ptr, a2_ptr):
+    """The base pointer of slice ``sl`` (0-2) of a layer's 1-3 LoRA stacks, passed as three pointers."""
+    if sl == 0:
+        a_ptr = a0_ptr
+    elif sl == 1:
+        a_ptr = a1_ptr
+    else:
+        a_ptr = a2_ptr
+    return a_ptr
+
+
+@triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the 128-byte lines at ``ptrs`` (one per element) without waiting or using registers
     (GPU only: inline PTX, which the Triton interpreter cannot run)."""
