@@ -48,6 +48,7 @@
 #   bash benchmarks/gpu/run_device.sh norm19    # every GPU test, then step_trace.py on the Qwen-0.5B shape: default, the shrink in
 #                                               the norms (LORASERVE_NORM_SHRINK=1), the decode shrink unsplit for K <= 1024
 #   bash benchmarks/gpu/run_device.sh e2e19     # bench_e2e both shapes without HF: default, then LORASERVE_NORM_SHRINK=1
+#   bash benchmarks/gpu/run_device.sh trace8b   # step_trace.py on the Llama-8B shape: default, then LORASERVE_NORM_SHRINK=1
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -212,6 +213,13 @@ for stage in "$@"; do
                 name=$(echo "${knobs:-default}" | tr ' =,' '___')
                 echo "### step_trace qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/step_trace.txt"
                 env $knobs timeout 100 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace.txt" | grep "graph replay"
+            done
+            ;;
+        trace8b)
+            for knobs in "" "LORASERVE_NORM_SHRINK=1"; do
+                name=$(echo "${knobs:-default}" | tr ' =,' '___')
+                echo "### step_trace llama-3.1-8b: ${knobs:-default}" | tee -a "$OUT/step_trace_8b.txt"
+                env $knobs timeout 250 python3 benchmarks/gpu/step_trace.py --shapes llama-3.1-8b --out "$OUT/traces8b_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_8b.txt" | grep "graph replay"
             done
             ;;
         e2e19)
