@@ -173,7 +173,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         pw = self.punica_wrapper
         if pw is None or not pw.fuses_norm or not self._fusable():
             return None
-        fused = self.punica_wrapper.norm_shrink(
+        fused = pw.norm_shrink(
             x, residual, weight, eps, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.base_layer.weight
         )  # fmt: skip
         if fused is None:

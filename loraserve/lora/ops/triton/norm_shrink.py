@@ -69,7 +69,8 @@ def _norm_shrink_kernel(
     slot = tl.load(slots_ptr + row)
     rank = tl.load(rank_ptr + tl.maximum(slot, 0))
     rank = tl.where(slot >= 0, rank, 0)
-    a_ptrs = slice_ptr(sl, a0_ptr, a1_ptr, a2_ptr) + tl.maximum(slot, 0).to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs[None, :]
+    a_ptrs = slice_ptr(sl, a0_ptr, a1_ptr, a2_ptr) + tl.maximum(slot, 0).to(tl.int64) * stride_as
+    a_ptrs = a_ptrs + offs_r[:, None] * stride_ar + offs[None, :]
     a = tl.load(a_ptrs, mask=(offs_r < rank)[:, None] & mask[None, :], other=0.0)
     if PDL_CHAIN:
         tl.extra.cuda.gdc_wait()
