@@ -56,23 +56,28 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
         WAIT_FIRST=not lora, PF_AHEAD=pf_ahead if lora else 0, PF_SLOTS=8,
         PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype in ("bf16", "fp16") else 4) // 128),
     )  # fmt: skip
-    fn = dl._decode_linear_kernel
+    options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return compile_as_launched(dl._decode_linear_kernel, ptrs, consts, SIXTEENS, options), tiles
+
+
+def compile_as_launched(fn, ptrs: dict, consts: dict, sixteens: set, options: dict):
+    """``fn`` compiled for TARGET: pointer arguments typed by ``ptrs`` (16-byte aligned, as a launch
+    specializes tensors), constexprs from ``consts``, the other arguments i32 (fp32 for ``eps``), those in
+    ``sixteens`` marked multiples of 16 (as a launch specializes such sizes)."""
     sig, const, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:
             sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]  # as a launch specializes 16-byte aligned tensors
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif fn.params[i].is_constexpr:
             sig[name], const[name] = "constexpr", consts[name]
         else:
-            sig[name] = "i32"
-            if name in SIXTEENS:
+            sig[name] = "fp32" if name == "eps" else "i32"
+            if name in sixteens:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, const, attrs)
-    options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    if maxnreg:
-        options["maxnreg"] = maxnreg
-    return triton.compile(src, target=TARGET, options=options), tiles
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET, options=options)
 
 
 def registers_and_stack(kernel) -> tuple[int, int]:
@@ -97,19 +102,10 @@ def norm_shrink_resources() -> None:
         ptrs = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", r_out_ptr="*bf16", a0_ptr=adt,
                     a1_ptr=adt, a2_ptr=adt, buf_ptr="*fp32", slots_ptr="*i64", rank_ptr="*i32")  # fmt: skip
         consts = dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True)
-        sig, const, attrs = {}, {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in ptrs:
-                sig[name] = ptrs[name]
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif fn.params[i].is_constexpr:
-                sig[name], const[name] = "constexpr", consts[name]
-            else:
-                sig[name] = "fp32" if name == "eps" else "i32"
-                if name.startswith("stride") or name == "N":  # K and its multiples (stride_ar is K)
-                    attrs[(i,)] = [["tt.divisibility", 16]]
+        # K and its multiples (stride_ar is K) are multiples of 16 at these shapes
+        sixteens = {"N", "stride_x", "stride_r", "stride_o", "stride_ro", "stride_as", "stride_ar", "stride_bi", "stride_bm"}
         warps = ns.num_warps(block)
-        k = triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET, options=dict(num_warps=warps))
+        k = compile_as_launched(fn, ptrs, consts, sixteens, dict(num_warps=warps))
         regs, stack = registers_and_stack(k)
         print(f"| {K} | {adt[1:]} | {warps} | {ns.BLOCK_R} | {regs} | {stack} |", flush=True)
 

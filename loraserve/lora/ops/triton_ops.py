@@ -75,7 +75,7 @@ class TritonLoRAOps:
         take ``lora_prefill``'s one launch instead (measured slower on an H100, so opt-in)."""
         assert meta is not None, "the LoRA mapping has no SegmentMeta: build it with a CUDA device"
         rank_dev = self.ranks_tensor(ranks)
-        max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
+        max_rank = _max_rank(lora_a_stacked, ranks, meta)
         if max_rank == 0:
             return
         if lora_prefill.applies(meta, lora_a_stacked[0].shape[2], len(lora_a_stacked)):
@@ -155,7 +155,7 @@ class TritonLoRAOps:
             return None  # the norm's output (weight * x's dtype) would not be what decode_linear takes
         if self._decode_tiles(x, weight, lora_b_stacked, meta) is None:
             return None
-        if not meta.static and max(ranks) == 0:
+        if _max_rank(lora_a_stacked, ranks, meta) == 0:
             return None  # nothing to add: linear_with_lora runs the plain GEMM
         return norm_shrink.norm_shrink(x, residual, norm_weight, eps, lora_a_stacked, token_slots, self.ranks_tensor(ranks))
 
@@ -177,7 +177,7 @@ class TritonLoRAOps:
         shrink waited first; with no segment the shrink launches nothing and the next kernel is a plain
         link of the PDL chain, which waits first."""
         rank_dev = self.ranks_tensor(ranks)
-        max_rank = lora_a_stacked[0].shape[2] if meta.static else max(ranks)
+        max_rank = _max_rank(lora_a_stacked, ranks, meta)
         if max_rank == 0:
             return None
         buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
@@ -201,3 +201,9 @@ class TritonLoRAOps:
         rows = emb_a[token_slots.clamp(min=0), ids].float()  # (T, R); rows of base tokens are never read
         # the "activations" are A's rows in its storage dtype: B's products are exact in it (fp32 for fp32)
         lora_expand(y, rows.view(1, 1, *rows.shape), (lora_b,), meta, rank_dev, act_dtype=emb_a.dtype)
+
+
+def _max_rank(lora_a_stacked: tuple[torch.Tensor, ...], ranks: list[int], meta: SegmentMeta) -> int:
+    """The shrink's rank columns: every slot's (R) under a CUDA graph's static mapping, whose slots change
+    between replays; else the largest rank in use (0: nothing to add)."""
+    return lora_a_stacked[0].shape[2] if meta.static else max(ranks)

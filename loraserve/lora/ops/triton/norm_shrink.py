@@ -15,9 +15,10 @@ Untimed on a GPU so far (the session that wrote it had no device): hence opt-in.
 Layout: program (t, j) owns token t and rank block j % NUM_RBLOCKS of slice j // NUM_RBLOCKS; each
 program recomputes its row's norm (one row of x, and of the residual: a few KB), and only j == 0 stores
 the norm's outputs. It runs on as many warps as the norm kernels (``num_warps``): the same layout of
-the row, so the same order of the variance's fp32 sum and the same bits (a review compiled both for
-sm_90: with 4 warps against their 1-2 at K <= 512 the layouts, and so the sums' order, differed). A
-tile of A, (BLOCK_R, next_pow2(K)), sits in registers: hidden sizes up to ``MAX_HIDDEN``.
+the row, so the same order of the variance's fp32 sum and the same bits (compiled for sm_90, a 256-wide
+row is laid out over 1 warp at the norm kernels' count and over 4 at the 4 warps this kernel first took:
+another reduction order). A tile of A, (BLOCK_R, next_pow2(K)), sits in registers: hidden sizes up to
+``MAX_HIDDEN``.
 
 Numbers: the products of a half-precision A and the rounded norm output are exact in fp32, and the sum
 is fp32, as the shrink's tf32 MMA (exact products for half operands, fp32 sums) in another order. fp32 A
