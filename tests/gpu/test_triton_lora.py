@@ -420,7 +420,9 @@ def test_fp16_x_shrink_recomputes_blocks_past_fp16_range(n_slices, K, reduce, mo
     assert x.float().abs().max() > 65504, "the case must hold an x fp16 cannot"
     assert torch.isfinite(buf).all(), "a block with an x past fp16's range kept its fp16 sums"
     got = buf.double().sum(dim=0).cpu()
-    assert rel_err(got, ref) < 2e-6
+    # fp32 sums of K = 4096 products on the tensor cores: 2.1e-6 measured on an H100 (sqrt(K) * 2^-24 is 3.8e-6);
+    # the fp16 overflow this guards against leaves an inf or an error of order 1.
+    assert rel_err(got, ref) < 1e-5
 
 
 @pytest.mark.parametrize("T", [16, 200], ids=["decode-size", "prefill-size"])
