@@ -45,10 +45,10 @@
 #                                               fp16 shrink became prefill-only: at decode it ran the default's code)
 #   bash benchmarks/gpu/run_device.sh confirm18 # every GPU test, steady_state.py, bench_e2e Llama-8B with HF + PEFT
 #   bash benchmarks/gpu/run_device.sh steptrace # step_trace.py: one decode step's kernel timeline, base vs 8 adapters, both shapes
-#   bash benchmarks/gpu/run_device.sh norm19    # every GPU test, then step_trace.py on the Qwen-0.5B shape: default, the shrink in
-#                                               the norms (LORASERVE_NORM_SHRINK=1), the decode shrink unsplit for K <= 1024
-#   bash benchmarks/gpu/run_device.sh e2e19     # bench_e2e both shapes without HF: default, then LORASERVE_NORM_SHRINK=1
-#   bash benchmarks/gpu/run_device.sh trace8b   # step_trace.py on the Llama-8B shape: default, then LORASERVE_NORM_SHRINK=1
+#   bash benchmarks/gpu/run_device.sh norm19    # every GPU test, then step_trace.py on the Qwen-0.5B shape: the shrink in
+#                                               the norms off (LORASERVE_NORM_SHRINK=0), on (the default), the decode shrink unsplit for K <= 1024
+#   bash benchmarks/gpu/run_device.sh e2e19     # bench_e2e both shapes without HF: LORASERVE_NORM_SHRINK=0, then the default (on)
+#   bash benchmarks/gpu/run_device.sh trace8b   # step_trace.py on the Llama-8B shape: LORASERVE_NORM_SHRINK=0, then the default (on)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -209,21 +209,21 @@ for stage in "$@"; do
             ;;
         norm19)
             timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
-            for knobs in "" "LORASERVE_NORM_SHRINK=1" "LORASERVE_SHRINK_DECODE_BLOCK_K=1024,512 LORASERVE_SHRINK_FUSE_DECODE=0"; do
+            for knobs in "LORASERVE_NORM_SHRINK=0" "" "LORASERVE_SHRINK_DECODE_BLOCK_K=1024,512 LORASERVE_SHRINK_FUSE_DECODE=0"; do
                 name=$(echo "${knobs:-default}" | tr ' =,' '___')
                 echo "### step_trace qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/step_trace.txt"
                 env $knobs timeout 100 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace.txt" | grep "graph replay"
             done
             ;;
         trace8b)
-            for knobs in "" "LORASERVE_NORM_SHRINK=1"; do
+            for knobs in "LORASERVE_NORM_SHRINK=0" ""; do
                 name=$(echo "${knobs:-default}" | tr ' =,' '___')
                 echo "### step_trace llama-3.1-8b: ${knobs:-default}" | tee -a "$OUT/step_trace_8b.txt"
                 env $knobs timeout 250 python3 benchmarks/gpu/step_trace.py --shapes llama-3.1-8b --out "$OUT/traces8b_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_8b.txt" | grep "graph replay"
             done
             ;;
         e2e19)
-            for knobs in "" "LORASERVE_NORM_SHRINK=1"; do
+            for knobs in "LORASERVE_NORM_SHRINK=0" ""; do
                 name=$(echo "${knobs:-default}" | tr ' =,' '___')
                 env $knobs timeout 270 python3 benchmarks/gpu/bench_e2e.py --skip-hf --json "$OUT/e2e_$name.json" 2>&1 | tee "$OUT/e2e_$name.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
             done

@@ -12,7 +12,7 @@ replays each once under the torch profiler (CUDA activity: the graph's kernels o
 - each graph's replay time (triton do_bench, median: the GPU time of a step) and their ratio.
 
 The engine's knobs are environment variables read at import: run it once per setting, e.g.
-``LORASERVE_NORM_SHRINK=1 python benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b``.
+``LORASERVE_NORM_SHRINK=0 python benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b``.
 
     python benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b,llama-3.1-8b --out /tmp/traces
 """
@@ -38,7 +38,7 @@ from dummy import hf_config, make_adapter, make_model_dir  # noqa: E402
 from loraserve import LLM, LoRARequest  # noqa: E402
 
 # the first kernel of each decoder layer: its input norm (fused with the residual add after layer 0; with
-# LORASERVE_NORM_SHRINK=1 the norm and qkv's shrink). NOTE: two norms a layer; a model with q/k norms
+# the norm shrink on, the default, the norm and qkv's shrink). NOTE: two norms a layer; a model with q/k norms
 # (Qwen3) runs more rms_norm kernels and would need other anchors (the two shapes here have none)
 LAYER_ANCHORS = ("rms_norm", "norm_shrink")
 

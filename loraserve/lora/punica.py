@@ -144,7 +144,7 @@ class PunicaWrapper:
 
     @property
     def fuses_norm(self) -> bool:
-        """Whether ``norm_shrink`` can run at all (its kernel and LORASERVE_NORM_SHRINK=1): asked first, so
+        """Whether ``norm_shrink`` can run at all (its kernel, on unless LORASERVE_NORM_SHRINK=0): asked first, so
         that the norms of a step that cannot take it cost no more than the attribute lookup."""
         return self.fuses_linear and self.kernels.fuses_norm
 

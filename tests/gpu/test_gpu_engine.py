@@ -133,7 +133,7 @@ def test_cuda_graphs_bf16_matches_peft(models):
 
 
 def test_norm_shrink_under_graphs_matches_peft(models_kv64, monkeypatch):
-    """The opt-in path where the decoder's norms compute the shrink of qkv and gate/up (LORASERVE_NORM_SHRINK=1,
+    """The default path where the decoder's norms compute the shrink of qkv and gate/up (LORASERVE_NORM_SHRINK,
     ``norm_shrink``): taken under CUDA graphs with every adapter in the batch, bf16 logprobs within 2e-2 of
     HF + PEFT's, and the same greedy tokens as the separate shrink's path (all but one sequence: the shrink's
     fp32 sums run in another order)."""
