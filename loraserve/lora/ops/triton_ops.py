@@ -147,8 +147,8 @@ class TritonLoRAOps:
         token_slots: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
         """(RMSNorm(x + residual), x + residual, the output's shrink) in one launch (``norm_shrink``), where
-        it is on (the default; LORASERVE_NORM_SHRINK=0 turns it off), the kernel supports the shapes, some slot has a rank, and
-        ``linear_with_lora`` of the output with this GEMM ``weight`` takes the decode path; else None."""
+        it is on (the default; LORASERVE_NORM_SHRINK=0 turns it off), the kernel supports the shapes, some
+        slot has a rank, and ``linear_with_lora`` of the output with this GEMM ``weight`` takes the decode path; else None."""
         if not self.fuses_norm or x.dim() != 2 or not norm_shrink.supports(x, lora_a_stacked):
             return None
         if torch.promote_types(norm_weight.dtype, x.dtype) != x.dtype:

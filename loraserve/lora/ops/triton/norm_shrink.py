@@ -40,7 +40,7 @@ from loraserve.layers.triton_elementwise import rms_norm_row
 from loraserve.lora.ops.triton.utils import pdl_chain, slice_ptr, tl_dtype
 
 # The decode step's norms compute the shrink of the LoRA'd projection they feed; LORASERVE_NORM_SHRINK=0: the
-# separate shrink launch (as before session 20; faster nowhere measured, kept for comparisons)
+# separate shrink launch (the default before session 20; faster on neither shape measured, kept to compare)
 ENABLED = os.environ.get("LORASERVE_NORM_SHRINK", "1") != "0"
 MAX_HIDDEN = 4096  # a row of A's tile per rank in registers: past this the separate shrink runs
 # Ranks a program owns. Compiled for sm_90 (bf16 x, fp16 A; ``kernel_resources.py --norm-shrink``): 92-161
