@@ -116,9 +116,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_partition_sizes[:shard_id])
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
-    def forward_activated(self, x: torch.Tensor, act) -> torch.Tensor:
+    def forward_activated(self, x: torch.Tensor, act, feeds: nn.Module | None = None) -> torch.Tensor:
         """act(self(x)): a gated MLP's projection and its activation. The LoRA wrapper of gate_up fuses
-        the two where that is faster (``MergedColumnParallelLinearWithLoRA.forward_activated``)."""
+        the two where that is faster (``MergedColumnParallelLinearWithLoRA.forward_activated``), and there
+        ``feeds`` (the layer the output goes to, down) may get its LoRA shrink from the same launch."""
         return act(self(x))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -132,6 +133,16 @@ def _select_backend(device: torch.device):
     return None
 
 
+class ShrinkOperands(NamedTuple):
+    """What a launch needs to compute the LoRA shrink of its output for the projection that output feeds:
+    that layer's stacks, per-slot ranks and base weight (to ask whether its product takes the decode path)."""
+
+    lora_a: tuple[torch.Tensor, ...]
+    lora_b: tuple[torch.Tensor, ...]
+    ranks: list[int]
+    weight: torch.Tensor
+
+
 class PunicaWrapper:
     def __init__(self, max_loras: int, device: torch.device):
         self.max_loras = max_loras
@@ -219,17 +230,20 @@ class PunicaWrapper:
         ranks: list[int],
         then_silu_and_mul: bool = False,
         shrunk: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
+        then_shrink: ShrinkOperands | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """The base GEMM and the LoRA delta in one go where a kernel does both (the GPU at decode sizes);
         None elsewhere: then the caller runs ``F.linear`` and ``apply_lora_linear``. ``then_silu_and_mul``
         (gate/up): silu(gate) * up of it, where a kernel path does that faster; None elsewhere.
-        ``shrunk``: x's shrink, already computed (``norm_shrink``), instead of a shrink launch."""
+        ``shrunk``: x's shrink, already computed (``norm_shrink``), instead of a shrink launch.
+        ``then_shrink`` (with ``then_silu_and_mul``): the next projection's LoRA; where the activation's launch
+        computes that projection's shrink too, the result is (out, its shrink)."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.linear_with_lora(
             x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots,
-            then_silu_and_mul, shrunk,
+            then_silu_and_mul, shrunk, then_shrink,
         )
 
     def norm_shrink(

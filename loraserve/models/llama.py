@@ -73,7 +73,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_activated(h, self.act_fn))
+        # feeds: a LoRA'd down may get its shrink from the activation's launch (as the norms feed qkv, gate/up)
+        return self.down_proj(self.gate_up_proj.forward_activated(h, self.act_fn, feeds=self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):

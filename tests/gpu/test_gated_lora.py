@@ -191,3 +191,73 @@ def test_ops_path_declines_where_the_gated_kernel_does_not_apply(monkeypatch):
     assert gated((128, 128), [0, 0]) is None, "no rank in the batch"
     monkeypatch.setenv("LORASERVE_GATED_LORA", "0")
     assert gated((128, 128), [16, 8]) is None, "forced off"
+
+
+SHRINK_CASES = [
+    # M, D (each half), S, R of gate/up, RA of down, LoRA dtype, block_n: programs (groups of ~sqrt)
+    (32, 256, 8, 16, 16, torch.float16, 64),  # 4 programs, two groups of two
+    (5, 640, 3, 8, 8, torch.float16, 64),  # 10 programs: groups of 4, the last one short
+    (17, 1024, 12, 16, 16, torch.float32, 32),  # 32 programs, 16 slots a tile, fp32 A (tf32, as the shrink)
+    (9, 128, 4, 16, 64, torch.float16, 64),  # down's rank 64: 4 slots x 64 rows
+    (1, 64, 2, 16, 16, torch.float16, 64),  # one program: one group, one plane at each level
+    (32, 512, 8, 16, 16, torch.bfloat16, 64),
+]
+
+
+@pytest.mark.parametrize("case", SHRINK_CASES, ids=lambda c: f"M{c[0]}-D{c[1]}-S{c[2]}-R{c[3]}-RA{c[4]}-{c[5]}-bn{c[6]}")
+def test_silu_and_mul_lora_computes_downs_shrink(case):
+    """With ``down``, the launch also returns the shrink of its output for the projection it feeds: what
+    ``lora_shrink(out, ..., zero_fill=True)`` gives (the sum of exact products in another order: within fp32
+    rounding), zeros past each slot's rank whatever A holds there, zeros for base tokens, the same output
+    bits as without ``down``, and the same dbuf bits on a second launch (a fixed order of sums, and the
+    arrival counters put back to zero)."""
+    M, D, S, R, RA, wdt, block_n = case
+    skip_interpreted_bf16(wdt)
+    xdt = torch.bfloat16 if wdt == torch.bfloat16 else torch.float16
+    g = torch.Generator().manual_seed(M + D + S + RA)
+    ranks = torch.randint(1, R + 1, (S,), generator=g).tolist()
+    down_ranks = torch.randint(1, RA + 1, (S,), generator=g).tolist()
+    down_ranks[0] = RA
+    if S > 2:
+        down_ranks[1] = 0
+    y = torch.randn(M, 2 * D, generator=g).to(DEV, xdt)
+    _, Bs = lora_stacks(g, S, R, 8, (D, D), ranks, wdt)
+    (Ad,), _ = lora_stacks(g, S, RA, D, (8,), down_ranks, wdt)
+    slots = [-1 if t % 4 == 3 else t % S for t in range(M)]
+    mapping = LoRAMapping.build(slots, slots, DEV)
+    meta = mapping.token_meta or SegmentMeta.build(
+        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
+    )
+    buf = torch.randn(1, 2, M, R, generator=g).to(DEV)
+    drank = torch.tensor(down_ranks, dtype=torch.int32, device=DEV)
+    out, dbuf = silu_and_mul_lora(y, buf, Bs, mapping.token_slots, block_n=block_n, down=(Ad, drank))
+    assert torch.equal(out, silu_and_mul_lora(y, buf, Bs, mapping.token_slots, block_n=block_n))
+    assert dbuf.shape == (1, 1, M, RA) and dbuf.dtype == torch.float32
+    ref = lora_shrink(out, (Ad,), meta, drank, RA, zero_fill=True)
+    exact = torch.zeros(M, RA, dtype=torch.float64)
+    for t, s in enumerate(slots):
+        if s >= 0:
+            r = down_ranks[s]
+            exact[t, :r] = Ad[s, 0, :r].double().cpu() @ out[t].double().cpu()
+    lora_rows = [t for t, s in enumerate(slots) if s >= 0]
+    base_rows = [t for t, s in enumerate(slots) if s < 0]
+    got = dbuf[0, 0].double().cpu()
+    scale = exact.abs().max().item()
+    assert scale > 0
+    assert (got[lora_rows] - exact[lora_rows]).abs().max().item() <= 1e-5 * scale
+    assert (got[lora_rows] - ref[0, 0, lora_rows].double().cpu()).abs().max().item() <= 1e-5 * scale
+    assert torch.equal(got[base_rows], torch.zeros_like(got[base_rows]))
+    _, again = silu_and_mul_lora(y, buf, Bs, mapping.token_slots, block_n=block_n, down=(Ad, drank))
+    assert torch.equal(again, dbuf)
+
+
+def test_silu_and_mul_lora_refuses_a_down_that_does_not_fit():
+    y = torch.zeros(4, 128, dtype=torch.float16, device=DEV)
+    buf = torch.zeros(1, 2, 4, 16, device=DEV)
+    b = torch.zeros(2, 1, 64, 16, dtype=torch.float16, device=DEV)
+    slots = torch.zeros(4, dtype=torch.int32, device=DEV)
+    drank = torch.ones(2, dtype=torch.int32, device=DEV)
+    with pytest.raises(AssertionError, match="down's A"):  # columns that are not gate/up's half
+        silu_and_mul_lora(y, buf, (b, b), slots, down=(torch.zeros(2, 1, 16, 32, dtype=torch.float16, device=DEV), drank))
+    with pytest.raises(AssertionError, match="down's A"):  # more (slot, rank) rows than one tile holds
+        silu_and_mul_lora(y, buf, (b, b), slots, down=(torch.zeros(2, 1, 256, 64, dtype=torch.float16, device=DEV), drank))

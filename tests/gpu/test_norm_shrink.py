@@ -221,7 +221,9 @@ def test_decoder_norms_hand_qkv_and_gate_up_their_shrink(gated, monkeypatch):
     """A tiny LoRA'd Llama's steps through the Triton path (fp16, 4-8 tokens a step, slots of ranks 16/8/4/0
     and base tokens): with the shrink in the norms the logits equal those of the shrink launches, the
     norms compute qkv's (3 slices) and gate/up's (2), and the only shrink launches left are o's and down's.
-    Either path of gate/up takes the norm's shrink: the SiLU-and-mul launch (gated) or the GEMM's epilogue."""
+    Either path of gate/up takes the norm's shrink: the SiLU-and-mul launch (gated) or the GEMM's epilogue.
+    On the gated path that launch also computes down's shrink (LORASERVE_GATED_SHRINK): then only o's is
+    left, with the same logits."""
     from loraserve.lora.ops.triton import gated_lora
 
     model, mapping, fdp = _lora_model(seed=1)
@@ -232,6 +234,7 @@ def test_decoder_norms_hand_qkv_and_gate_up_their_shrink(gated, monkeypatch):
     monkeypatch.setattr("loraserve.lora.ops.triton_ops.lora_shrink", lambda *a, **k: shrinks.append(len(a[1])) or real_shrink(*a, **k))
     monkeypatch.setattr(ns, "norm_shrink", lambda *a, **k: norms.append(len(a[4])) or real_norm(*a, **k))
     monkeypatch.setattr(ns, "ENABLED", False)
+    monkeypatch.setattr(gated_lora, "SHRINK_ENABLED", False)
     want = _run_lora_steps(model, mapping, fdp)
     n_steps, n_layers = len(fdp.STEPS), 2
     assert not norms and len(shrinks) == 4 * n_layers * n_steps, shrinks
@@ -243,4 +246,19 @@ def test_decoder_norms_hand_qkv_and_gate_up_their_shrink(gated, monkeypatch):
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")
     for layer in model.modules():
-        assert getattr(layer, "_norm_shrunk", None) is None, "every shrink the norms made was taken"
+        assert getattr(layer, "_shrunk_input", None) is None, "every shrink the norms made was taken"
+    shrinks.clear()
+    downs = []
+    real_gated = gated_lora.silu_and_mul_lora
+    monkeypatch.setattr(gated_lora, "silu_and_mul_lora", lambda *a, **k: downs.append(k.get("down") is not None) or real_gated(*a, **k))
+    monkeypatch.setattr(gated_lora, "SHRINK_ENABLED", True)
+    got = _run_lora_steps(model, mapping, fdp)
+    if gated:
+        assert downs == [True] * n_layers * n_steps, f"every gated launch computed down's shrink: {downs}"
+        assert shrinks == [1] * n_layers * n_steps, f"only o launches a shrink: {shrinks}"
+    else:
+        assert not downs and shrinks == [1, 1] * n_layers * n_steps, (downs, shrinks)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")
+    for layer in model.modules():
+        assert getattr(layer, "_shrunk_input", None) is None, "every shrink handed on was taken"

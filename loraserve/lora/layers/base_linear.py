@@ -10,11 +10,13 @@ fp32 tables whose last row is the identity, so indexing with a token's slot (-1 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from loraserve.config import LoRAConfig
 from loraserve.forward_context import current_lora_mapping
 from loraserve.layers.linear import linear
 from loraserve.lora.layers.base import BaseLayerWithLoRA, LoRAPieces
+from loraserve.lora.punica import ShrinkOperands
 
 
 class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
@@ -29,8 +31,9 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         super().__init__()
         self.base_layer = base_layer
         self.tp_rank, self.tp_size = base_layer.tp_rank, base_layer.tp_size
-        # (the norm's output, its shrink): set by fuse_norm, taken by the call whose x is that very tensor
-        self._norm_shrunk: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (an input, its shrink) computed by the launch that wrote it (fuse_norm, or gate/up's activation:
+        # keep_shrunk), taken by the call whose x is that very tensor
+        self._shrunk_input: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def n_slices(self) -> int:
@@ -158,7 +161,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         if self._fusable():
             y = self.punica_wrapper.linear_with_lora(
                 x, weight, bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks,
-                shrunk=self.take_norm_shrunk(x),
+                shrunk=self.take_shrunk(x),
             )  # fmt: skip
             if y is not None:
                 return y
@@ -168,8 +171,8 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         """The RMSNorm whose output is this layer's input, run with this layer's LoRA shrink in its launch
         (``RMSNorm``'s ``feeds`` protocol; ``norm_shrink``, opt-in): the norm's result, or None where this
         step's LoRA would not take the fused decode path (the norm then runs alone). The shrink is kept
-        for the call of this layer whose x is the norm's output (``take_norm_shrunk``)."""
-        self._norm_shrunk = None
+        for the call of this layer whose x is the norm's output (``take_shrunk``)."""
+        self._shrunk_input = None
         pw = self.punica_wrapper
         if pw is None or not pw.fuses_norm or not self._fusable():
             return None
@@ -179,13 +182,25 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         if fused is None:
             return None
         out, new_residual, buf = fused
-        self._norm_shrunk = (out, buf)
+        self._shrunk_input = (out, buf)
         return out if residual is None else (out, new_residual)
 
-    def take_norm_shrunk(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The shrink ``fuse_norm`` computed, if x is the norm output it was computed from (once)."""
-        pending, self._norm_shrunk = self._norm_shrunk, None
+    def take_shrunk(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shrink computed by the launch that wrote x (``fuse_norm``, ``keep_shrunk``), if x is the tensor
+        it was computed from (once)."""
+        pending, self._shrunk_input = self._shrunk_input, None
         return pending[1] if pending is not None and pending[0] is x else None
+
+    def shrink_operands(self) -> ShrinkOperands | None:
+        """This layer's LoRA, for the launch that writes its input to compute the shrink of it (gate/up's
+        activation for down), where this step's product may take the fused decode path; else None."""
+        if self.punica_wrapper is None or not self._fusable():
+            return None
+        return ShrinkOperands(self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.base_layer.weight)
+
+    def keep_shrunk(self, x: torch.Tensor, buf: torch.Tensor) -> None:
+        """Keep the shrink of x that the launch writing x computed (from ``shrink_operands``), for ``take_shrunk``."""
+        self._shrunk_input = (x, buf)
 
     def _fusable(self) -> bool:
         """Whether this step's LoRA may take a kernel path that fuses it with the GEMM (the punica
@@ -197,7 +212,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             return False
         return not any(self.slot_has_bias[s] or self.slot_has_dora[s] for s in mapping.active_slots)
 
-    def forward_activated(self, x: torch.Tensor, act) -> torch.Tensor:
+    def forward_activated(self, x: torch.Tensor, act, feeds: nn.Module | None = None) -> torch.Tensor:
         """act(self(x)): a gated MLP's projection and activation (``MergedColumnParallelLinear``'s
         contract); wrappers with a fused path for it override this."""
         return act(self(x))

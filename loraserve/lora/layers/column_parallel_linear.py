@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from loraserve.distributed.comm import tp_all_gather
 from loraserve.layers.activation import SiluAndMul
@@ -68,19 +69,26 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
             and len(source_layer.output_sizes) == cls.n_packed
         )
 
-    def forward_activated(self, x: torch.Tensor, act) -> torch.Tensor:
+    def forward_activated(self, x: torch.Tensor, act, feeds: nn.Module | None = None) -> torch.Tensor:
         """act(self(x)); for SiLU-and-mul on gate/up at decode sizes on the GPU, the delta is added in the
-        activation's launch instead of the GEMM's epilogue where that is faster (``gated_lora``)."""
+        activation's launch instead of the GEMM's epilogue where that is faster (``gated_lora``). ``feeds``:
+        the layer the activation's output goes to (down); where it is LoRA'd (``shrink_operands``) that
+        launch computes its shrink too, kept for it (``keep_shrunk``): down then runs no shrink launch."""
         base = self.base_layer
         if isinstance(act, SiluAndMul) and not base.gather_output and self.n_slices == 2 and self._fusable():
-            pending = self._norm_shrunk
+            pending = self._shrunk_input
+            operands = getattr(feeds, "shrink_operands", None)
+            then_shrink = operands() if operands is not None else None
             out = self.punica_wrapper.linear_with_lora(
                 x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks,
-                then_silu_and_mul=True, shrunk=self.take_norm_shrunk(x),
+                then_silu_and_mul=True, shrunk=self.take_shrunk(x), then_shrink=then_shrink,
             )
+            if isinstance(out, tuple):
+                out, buf = out
+                feeds.keep_shrunk(out, buf)
             if out is not None:
                 return out
-            self._norm_shrunk = pending  # not taken: the epilogue path below uses it
+            self._shrunk_input = pending  # not taken: the epilogue path below uses it
         return act(self(x))
 
 

@@ -19,7 +19,7 @@ from loraserve.lora.ops.triton import gated_lora, lora_prefill, norm_shrink
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
-from loraserve.lora.punica import SegmentMeta
+from loraserve.lora.punica import SegmentMeta, ShrinkOperands
 
 
 class TritonLoRAOps:
@@ -96,7 +96,8 @@ class TritonLoRAOps:
         token_slots: torch.Tensor,
         then_silu_and_mul: bool = False,
         shrunk: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
+        then_shrink: ShrinkOperands | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """x W^T + b + the per-token LoRA delta as two launches (shrink, then the GEMM with the expand
         in its epilogue, PDL-overlapped; the shrink launches while the kernel before it runs when that
         kernel is a link of the PDL chain, utils.pdl_chain), or None where ``decode_linear`` does not apply (too many
@@ -111,7 +112,11 @@ class TritonLoRAOps:
 
         ``shrunk``: x's shrink as ``lora_shrink(..., zero_fill=True)`` writes it, computed by the launch
         that wrote x (``norm_shrink``): no shrink launch, and the GEMM is an ordinary link of the PDL
-        chain (it waits for that launch before reading x, so buf is complete too)."""
+        chain (it waits for that launch before reading x, so buf is complete too).
+
+        ``then_shrink`` (with ``then_silu_and_mul``): the LoRA of the projection the activation feeds (down):
+        where its product takes the decode path too and ``gated_lora.shrink_supports`` its A, the gated
+        launch also computes the shrink of its output, and the result is (out, that shrink): down's ``shrunk``."""
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
         if then_silu_and_mul:
             gate_up = len(lora_b_stacked) == 2 and lora_b_stacked[0].shape == lora_b_stacked[1].shape
@@ -129,7 +134,8 @@ class TritonLoRAOps:
             buf, pdl = own
         if then_silu_and_mul:
             y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
-            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots)
+            down = self._gated_shrink(y, then_shrink, meta) if then_shrink is not None else None
+            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, down=down)
         epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
 
@@ -158,6 +164,19 @@ class TritonLoRAOps:
         if _max_rank(lora_a_stacked, ranks, meta) == 0:
             return None  # nothing to add: linear_with_lora runs the plain GEMM
         return norm_shrink.norm_shrink(x, residual, norm_weight, eps, lora_a_stacked, token_slots, self.ranks_tensor(ranks))
+
+    def _gated_shrink(self, y: torch.Tensor, down: ShrinkOperands, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, ranks on the device) for ``silu_and_mul_lora``'s ``down``, where down's product of that launch's
+        output (half of y's columns) takes the decode path with a shrink (some slot has a rank) and the
+        gated kernel supports its A; else None (down runs its own shrink)."""
+        if not gated_lora.SHRINK_ENABLED or len(down.lora_a) != 1:
+            return None
+        out_like = y[:, : y.shape[1] // 2]
+        if not gated_lora.shrink_supports(down.lora_a[0], y) or _max_rank(down.lora_a, down.ranks, meta) == 0:
+            return None
+        if self._decode_tiles(out_like, down.weight, down.lora_b, meta) is None:
+            return None
+        return down.lora_a[0], self.ranks_tensor(down.ranks)
 
     def _decode_tiles(self, x, weight, lora_b_stacked, meta) -> decode.DecodeTiles | None:
         """The decode GEMM's tiles for this LoRA'd product, or None where ``decode_linear`` does not apply

@@ -23,6 +23,7 @@ transposed as ``expand_block`` computes them (columns along the MMA's M).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -30,9 +31,19 @@ import triton
 import triton.language as tl
 
 from loraserve.lora.ops.triton.expand_block import expand_chunk, lora_b_chunk, slot_columns, slots_per_chunk
-from loraserve.lora.ops.triton.utils import compute_dtype_of, pdl_chain, tl_dtype
+from loraserve.lora.ops.triton.utils import (
+    compute_dtype_of,
+    dot_in,
+    pdl_chain,
+    persistent_buffer,
+    sum_planes,
+    tl_dtype,
+)
 
+# The gated launch computes down's shrink of its output (``down``); LORASERVE_GATED_SHRINK=0: down's own shrink launch
+SHRINK_ENABLED = os.environ.get("LORASERVE_GATED_SHRINK", "1") != "0"
 MAX_TOKENS = 32  # one tile of tokens; a decode step's batch (decode_linear.MAX_TOKENS)
+MAX_SHRINK_ROWS = 256  # rows of (slot, rank) of down's A tile a program holds (shrink_supports): 8 slots of rank 16 take 128
 DEFAULT_BLOCK_N = 64  # columns of each half a program owns (the --gated sweep's fastest; silu_and_mul_lora)
 
 
@@ -64,6 +75,20 @@ def _silu_and_mul_lora_kernel(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain: B and the slots before the wait, y and buf after
+    # down's shrink of the output (``SHRINK``): the next projection's A, its ranks, the (1, 1, M, RA) total
+    # and the workspace of the partials (planes of every program, then of every group) and arrival counters
+    da_ptr,  # (S, 1, RA, D): down's A
+    drank_ptr,  # (S,) int32: down's rank per slot
+    dbuf_ptr,  # (1, 1, M, RA) fp32
+    ws_ptr,
+    cnt_ptr,
+    stride_das,
+    GROUP,
+    SHRINK: tl.constexpr,
+    RA: tl.constexpr,
+    BLOCK_RA: tl.constexpr,
+    A_SLOTS_PER_CHUNK: tl.constexpr,
+    RED_GROUP: tl.constexpr,
 ):
     if PDL_CHAIN:
         tl.extra.cuda.gdc_launch_dependents()
@@ -73,6 +98,10 @@ def _silu_and_mul_lora_kernel(
     n_mask = offs_n < D
     m_mask = offs_m < M
     slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1).to(tl.int32)
+    if SHRINK:  # down's A for this block's columns, every slot: a weight, loaded before the wait
+        da = _down_a_tile(da_ptr, drank_ptr, stride_das, n0, S, D, BLOCK_N, BLOCK_RA, A_SLOTS_PER_CHUNK)
+    else:
+        da = tl.zeros((A_SLOTS_PER_CHUNK * BLOCK_RA, BLOCK_N), dtype=tl.float32)
     dg = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     du = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # num_stages=1, as block_delta's loop: pipelined, the loop would stage every chunk's s and B in shared
@@ -96,7 +125,65 @@ def _silu_and_mul_lora_kernel(
     g = (tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + dg).to(out_dt).to(tl.float32)
     u = (tl.load(y_ptrs + D, mask=mask, other=0.0).to(tl.float32) + du).to(out_dt).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(out_dt).to(tl.float32)  # rounded, as silu_and_mul's is
-    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], (silu * u).to(out_dt), mask=mask)
+    o = (silu * u).to(out_dt)
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], o, mask=mask)
+    if SHRINK:
+        _shrink_of_output(o, da, slot, M, dbuf_ptr, ws_ptr, cnt_ptr, GROUP, RA, BLOCK_M, BLOCK_RA, A_SLOTS_PER_CHUNK,
+                          RED_GROUP)  # fmt: skip
+
+
+@triton.jit
+def _down_a_tile(da_ptr, drank_ptr, stride_das, n0, S, D, BLOCK_N: tl.constexpr, BLOCK_RA: tl.constexpr,
+                 A_SLOTS: tl.constexpr):  # fmt: skip
+    """(A_SLOTS * BLOCK_RA, BLOCK_N) of down's A at columns n0..: row c is slot c // BLOCK_RA, rank c % BLOCK_RA;
+    zeros past each slot's rank (whatever A holds there) and past S."""
+    offs_c = tl.arange(0, A_SLOTS * BLOCK_RA)
+    c_j = offs_c // BLOCK_RA
+    c_r = offs_c % BLOCK_RA
+    rank = tl.load(drank_ptr + c_j, mask=c_j < S, other=0)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    ptrs = da_ptr + c_j[:, None].to(tl.int64) * stride_das + c_r[:, None] * D + offs_n[None, :]
+    return tl.load(ptrs, mask=(c_r < rank)[:, None], other=0.0)
+
+
+@triton.jit
+def _shrink_of_output(o, da, slot, M, dbuf_ptr, ws_ptr, cnt_ptr, GROUP, RA: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_RA: tl.constexpr, A_SLOTS: tl.constexpr, RED_GROUP: tl.constexpr):  # fmt: skip
+    """dbuf[0, 0, t, r] = sum over every program's columns n of A[slot(t), r, n] * o[n, t], deterministically.
+
+    Each program's partial (its BLOCK_N columns; tf32 products of half-precision values, exact, summed in
+    fp32 by one MMA) goes to its own plane of the workspace; the last program of each group of GROUP to
+    arrive (an atomic counter) sums its group's planes in plane order into the group's plane, and the last
+    group to finish sums the group planes in order into dbuf: the same bits whichever program arrives last.
+    The pattern (stores, a CTA barrier, an acq_rel atomic, loads past L1) is lora_shrink's split-K one."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    p = dot_in(da, o, tl.float32, False)  # (A_SLOTS * BLOCK_RA, BLOCK_M): every slot's rows for every token
+    p3 = tl.reshape(p, (A_SLOTS, BLOCK_RA, BLOCK_M))
+    own = tl.arange(0, A_SLOTS)[:, None, None] == slot[None, None, :]
+    part = tl.sum(tl.where(own, p3, 0.0), axis=0)  # (BLOCK_RA, BLOCK_M): each token's own slot's rows
+    plane = BLOCK_RA * BLOCK_M
+    tile = tl.arange(0, BLOCK_RA)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    full = tl.full((BLOCK_RA, BLOCK_M), 1, tl.int1)
+    tl.store(ws_ptr + pid * plane + tile, part)
+    tl.debug_barrier()
+    n_groups = tl.cdiv(n_prog, GROUP)
+    group = pid // GROUP
+    first = group * GROUP
+    arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.minimum(GROUP, n_prog - first) - 1:
+        total = sum_planes(ws_ptr + first * plane + tile, full, tl.minimum(GROUP, n_prog - first), plane, RED_GROUP, True)
+        tl.store(ws_ptr + (n_prog + group) * plane + tile, total)
+        tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + n_groups, 1, sem="acq_rel", scope="gpu")
+        if done == n_groups - 1:
+            total = sum_planes(ws_ptr + n_prog * plane + tile, full, n_groups, plane, RED_GROUP, True)
+            offs_r = tl.arange(0, BLOCK_RA)
+            offs_m = tl.arange(0, BLOCK_M)
+            mask = (offs_r < RA)[:, None] & (offs_m < M)[None, :]
+            tl.store(dbuf_ptr + offs_m[None, :] * RA + offs_r[:, None], total, mask=mask)
+            tl.atomic_xchg(cnt_ptr + n_groups, 0, sem="relaxed", scope="gpu")
 
 
 # Knob (a module attribute; LORASERVE_GATED_LORA=1/0 forces the path on/off): the largest K (the GEMM's inner
@@ -123,6 +210,23 @@ def prefer(N: int, K: int) -> bool:
     return K <= GATED_MAX_K
 
 
+def shrink_supports(lora_a: torch.Tensor, y: torch.Tensor, block_n: int = DEFAULT_BLOCK_N) -> bool:
+    """Whether ``silu_and_mul_lora`` can compute the shrink of its output with this A stack (S, 1, RA, D) of
+    the projection it feeds (``down``): every slot's tile of A in one MMA (at most MAX_SHRINK_ROWS rows of
+    (slot, rank)), contiguous, of a dtype the shrink multiplies in tf32 (half precision, exact; or fp32, as
+    the shrink launch takes it at decode sizes)."""
+    S, one, RA, D = lora_a.shape
+    rows = triton.next_power_of_2(S) * max(16, triton.next_power_of_2(RA))
+    return (
+        one == 1
+        and 2 * D == y.shape[1]
+        and lora_a.is_contiguous()
+        and lora_a.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and rows <= MAX_SHRINK_ROWS
+        and D % block_n == 0
+    )
+
+
 def silu_and_mul_lora(
     y: torch.Tensor,
     buf: torch.Tensor,
@@ -130,7 +234,8 @@ def silu_and_mul_lora(
     token_slots: torch.Tensor,
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = 8,
-) -> torch.Tensor:
+    down: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(M, 2D) base gate/up output + the delta of (buf, lora_b) per token's slot -> silu(gate) * up (M, D).
 
     y: bf16/fp16/fp32, contiguous along its columns, M <= MAX_TOKENS. buf: (P, 2, M, R) fp32 from
@@ -140,6 +245,11 @@ def silu_and_mul_lora(
     ``after_shrink``, or any ordinary launch order). block_n, num_warps: the fastest of the --gated
     sweep (64 columns, 8 warps: Qwen-0.5B's gate_up 3.1 µs of LoRA with bf16 B against 3.2 on 4 warps, 5.9
     at 32 columns, 4.1 at 128; fp32 B 4.6 against 5.3, 7.5 and 7.4).
+
+    ``down``: (A (S, 1, RA, D), its ranks (S,) int32) of the projection the output feeds (``shrink_supports``):
+    then (out, dbuf), dbuf (1, 1, M, RA) fp32 = out @ A[slot]^T per token, what ``lora_shrink(out, ...,
+    zero_fill=True)`` gives (every column r < RA of every row written, zeros past the slot's rank and for
+    base tokens), the down GEMM's ``shrunk``: its shrink launch is not needed.
     """
     M, D2 = y.shape
     D = D2 // 2
@@ -162,13 +272,37 @@ def silu_and_mul_lora(
     lcdt = compute_dtype_of(y.dtype, bg.dtype)
     out = torch.empty(M, D, dtype=y.dtype, device=y.device)
     chain = pdl_chain(y.device)
-    _silu_and_mul_lora_kernel[(triton.cdiv(D, block_n),)](
+    n_prog = triton.cdiv(D, block_n)
+    S = bg.shape[0]
+    block_m = 16 if M <= 16 else 32
+    if down is not None:
+        da, drank = down
+        assert shrink_supports(da, y, block_n) and da.shape[0] == S, (
+            f"down's A {tuple(da.shape)} {da.dtype}: want ({S}, 1, RA, {D}) contiguous, see shrink_supports"
+        )
+        assert drank.shape == (S,) and drank.dtype == torch.int32, "down's ranks: (S,) int32"
+        ra = da.shape[2]
+        block_ra = max(16, triton.next_power_of_2(ra))
+        a_slots = triton.next_power_of_2(S)
+        group = max(1, math.isqrt(n_prog - 1) + 1)  # ~sqrt(programs) planes summed at each of the two levels
+        n_groups = triton.cdiv(n_prog, group)
+        plane = block_ra * block_m
+        ws = persistent_buffer(y.device, "gated_lora/partials", (n_prog + n_groups) * plane, torch.float32)
+        cnt = persistent_buffer(y.device, "gated_lora/arrivals", n_groups + 1)
+        dbuf = torch.empty((1, 1, M, ra), dtype=torch.float32, device=y.device)
+        shrink_kw = dict(da_ptr=da, drank_ptr=drank, dbuf_ptr=dbuf, ws_ptr=ws, cnt_ptr=cnt, stride_das=da.stride(0),
+                         GROUP=group, SHRINK=True, RA=ra, BLOCK_RA=block_ra, A_SLOTS_PER_CHUNK=a_slots,
+                         RED_GROUP=min(triton.next_power_of_2(max(group, n_groups)), 16))  # fmt: skip
+    else:
+        shrink_kw = dict(da_ptr=out, drank_ptr=token_slots, dbuf_ptr=out, ws_ptr=out, cnt_ptr=token_slots,
+                         stride_das=0, GROUP=1, SHRINK=False, RA=16, BLOCK_RA=16, A_SLOTS_PER_CHUNK=1, RED_GROUP=1)
+    _silu_and_mul_lora_kernel[(n_prog,)](
         y, out, M, D, y.stride(0), out.stride(0),
-        buf, bg, bu, token_slots, bg.shape[0], P, buf.stride(0), buf.stride(1), buf.stride(2),
+        buf, bg, bu, token_slots, S, P, buf.stride(0), buf.stride(1), buf.stride(2),
         bg.stride(0), bu.stride(0),
-        R=R, BLOCK_M=16 if M <= 16 else 32, BLOCK_N=block_n, BLOCK_R=block_r,
-        SLOTS_PER_CHUNK=slots_per_chunk(bg.shape[0], block_r), RED=min(triton.next_power_of_2(P), 16),
+        R=R, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        SLOTS_PER_CHUNK=slots_per_chunk(S, block_r), RED=min(triton.next_power_of_2(P), 16),
         LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and y.dtype == torch.float32,
-        PDL_CHAIN=chain, num_warps=num_warps, launch_pdl=chain,
+        PDL_CHAIN=chain, num_warps=num_warps, launch_pdl=chain, **shrink_kw,
     )  # fmt: skip
-    return out
+    return out if down is None else (out, dbuf)
