@@ -11,6 +11,7 @@ On CUDA the mapping also carries ``SegmentMeta``: the same segments as one int32
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -133,14 +134,15 @@ def _select_backend(device: torch.device):
     return None
 
 
-class ShrinkOperands(NamedTuple):
-    """What a launch needs to compute the LoRA shrink of its output for the projection that output feeds:
-    that layer's stacks, per-slot ranks and base weight (to ask whether its product takes the decode path)."""
+class FusedShrink(NamedTuple):
+    """What the launch that writes a LoRA'd layer's input needs to compute that layer's shrink of it too:
+    the layer's A stack (S, 1, R, K) (one slice), its ranks per slot (int32 on the device) and each
+    token's slot. Its result is ``lora_shrink(..., zero_fill=True)``'s buf, handed to the layer
+    (``keep_shrunk``): the layer runs no shrink launch."""
 
-    lora_a: tuple[torch.Tensor, ...]
-    lora_b: tuple[torch.Tensor, ...]
-    ranks: list[int]
-    weight: torch.Tensor
+    lora_a: torch.Tensor
+    ranks: torch.Tensor
+    token_slots: torch.Tensor
 
 
 class PunicaWrapper:
@@ -230,20 +232,38 @@ class PunicaWrapper:
         ranks: list[int],
         then_silu_and_mul: bool = False,
         shrunk: torch.Tensor | None = None,
-        then_shrink: ShrinkOperands | None = None,
+        then_shrink: Callable[[torch.Tensor], FusedShrink | None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """The base GEMM and the LoRA delta in one go where a kernel does both (the GPU at decode sizes);
         None elsewhere: then the caller runs ``F.linear`` and ``apply_lora_linear``. ``then_silu_and_mul``
         (gate/up): silu(gate) * up of it, where a kernel path does that faster; None elsewhere.
         ``shrunk``: x's shrink, already computed (``norm_shrink``), instead of a shrink launch.
-        ``then_shrink`` (with ``then_silu_and_mul``): the next projection's LoRA; where the activation's launch
-        computes that projection's shrink too, the result is (out, its shrink)."""
+        ``then_shrink`` (with ``then_silu_and_mul``): the next projection's ``fused_shrink_operands``; where
+        the activation's launch computes that projection's shrink too, the result is (out, its shrink)."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.linear_with_lora(
             x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots,
             then_silu_and_mul, shrunk, then_shrink,
+        )
+
+    def fused_shrink(
+        self,
+        x_like: torch.Tensor,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        ranks: list[int],
+        weight: torch.Tensor,
+    ) -> FusedShrink | None:
+        """The operands for another launch to compute this one-slice layer's shrink of an input like x_like
+        (its shape, dtype and device), where the layer's ``linear_with_lora`` (GEMM ``weight``) would take
+        that shrink on this step; else None."""
+        if not self.fuses_linear:
+            return None
+        mapping = self.mapping()
+        return self.kernels.fused_shrink(
+            x_like, lora_a_stacked, lora_b_stacked, ranks, weight, mapping.token_meta, mapping.token_slots
         )
 
     def norm_shrink(

@@ -16,7 +16,7 @@ from loraserve.config import LoRAConfig
 from loraserve.forward_context import current_lora_mapping
 from loraserve.layers.linear import linear
 from loraserve.lora.layers.base import BaseLayerWithLoRA, LoRAPieces
-from loraserve.lora.punica import ShrinkOperands
+from loraserve.lora.punica import FusedShrink
 
 
 class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
@@ -191,15 +191,18 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         pending, self._shrunk_input = self._shrunk_input, None
         return pending[1] if pending is not None and pending[0] is x else None
 
-    def shrink_operands(self) -> ShrinkOperands | None:
-        """This layer's LoRA, for the launch that writes its input to compute the shrink of it (gate/up's
-        activation for down), where this step's product may take the fused decode path; else None."""
+    def fused_shrink_operands(self, x_like: torch.Tensor) -> FusedShrink | None:
+        """This layer's LoRA, for the launch that writes its input (an x like x_like) to compute the shrink of
+        it too (gate/up's activation for down, attention for o), where this step's product takes the fused
+        decode path; else None. The result goes back through ``keep_shrunk``."""
         if self.punica_wrapper is None or not self._fusable():
             return None
-        return ShrinkOperands(self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.base_layer.weight)
+        return self.punica_wrapper.fused_shrink(
+            x_like, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.base_layer.weight
+        )
 
     def keep_shrunk(self, x: torch.Tensor, buf: torch.Tensor) -> None:
-        """Keep the shrink of x that the launch writing x computed (from ``shrink_operands``), for ``take_shrunk``."""
+        """Keep the shrink of x that the launch writing x computed (``fused_shrink_operands``), for ``take_shrunk``."""
         self._shrunk_input = (x, buf)
 
     def _fusable(self) -> bool:

@@ -72,13 +72,12 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
     def forward_activated(self, x: torch.Tensor, act, feeds: nn.Module | None = None) -> torch.Tensor:
         """act(self(x)); for SiLU-and-mul on gate/up at decode sizes on the GPU, the delta is added in the
         activation's launch instead of the GEMM's epilogue where that is faster (``gated_lora``). ``feeds``:
-        the layer the activation's output goes to (down); where it is LoRA'd (``shrink_operands``) that
+        the layer the activation's output goes to (down); where it is LoRA'd (``fused_shrink_operands``) that
         launch computes its shrink too, kept for it (``keep_shrunk``): down then runs no shrink launch."""
         base = self.base_layer
         if isinstance(act, SiluAndMul) and not base.gather_output and self.n_slices == 2 and self._fusable():
             pending = self._shrunk_input
-            operands = getattr(feeds, "shrink_operands", None)
-            then_shrink = operands() if operands is not None else None
+            then_shrink = getattr(feeds, "fused_shrink_operands", None)
             out = self.punica_wrapper.linear_with_lora(
                 x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks,
                 then_silu_and_mul=True, shrunk=self.take_shrunk(x), then_shrink=then_shrink,

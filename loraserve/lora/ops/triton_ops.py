@@ -11,6 +11,7 @@ alone); it was dropped.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -19,7 +20,7 @@ from loraserve.lora.ops.triton import gated_lora, lora_prefill, norm_shrink
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
-from loraserve.lora.punica import SegmentMeta, ShrinkOperands
+from loraserve.lora.punica import FusedShrink, SegmentMeta
 
 
 class TritonLoRAOps:
@@ -96,7 +97,7 @@ class TritonLoRAOps:
         token_slots: torch.Tensor,
         then_silu_and_mul: bool = False,
         shrunk: torch.Tensor | None = None,
-        then_shrink: ShrinkOperands | None = None,
+        then_shrink: Callable[[torch.Tensor], FusedShrink | None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """x W^T + b + the per-token LoRA delta as two launches (shrink, then the GEMM with the expand
         in its epilogue, PDL-overlapped; the shrink launches while the kernel before it runs when that
@@ -114,8 +115,8 @@ class TritonLoRAOps:
         that wrote x (``norm_shrink``): no shrink launch, and the GEMM is an ordinary link of the PDL
         chain (it waits for that launch before reading x, so buf is complete too).
 
-        ``then_shrink`` (with ``then_silu_and_mul``): the LoRA of the projection the activation feeds (down):
-        where its product takes the decode path too and ``gated_lora.shrink_supports`` its A, the gated
+        ``then_shrink`` (with ``then_silu_and_mul``): the ``fused_shrink_operands`` of the projection the
+        activation feeds (down): where they are given and ``gated_lora.shrink_supports`` its A, the gated
         launch also computes the shrink of its output, and the result is (out, that shrink): down's ``shrunk``."""
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
         if then_silu_and_mul:
@@ -134,8 +135,14 @@ class TritonLoRAOps:
             buf, pdl = own
         if then_silu_and_mul:
             y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
-            down = self._gated_shrink(y, then_shrink, meta) if then_shrink is not None else None
-            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, down=down)
+            down = None
+            if then_shrink is not None and gated_lora.SHRINK_ENABLED:
+                down = then_shrink(y[:, : y.shape[1] // 2])  # an input like the activation's output
+                if down is not None and not gated_lora.shrink_supports(down.lora_a, y):
+                    down = None
+            if down is None:
+                return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots)
+            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, down=(down.lora_a, down.ranks))
         epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
 
@@ -165,18 +172,14 @@ class TritonLoRAOps:
             return None  # nothing to add: linear_with_lora runs the plain GEMM
         return norm_shrink.norm_shrink(x, residual, norm_weight, eps, lora_a_stacked, token_slots, self.ranks_tensor(ranks))
 
-    def _gated_shrink(self, y: torch.Tensor, down: ShrinkOperands, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(A, ranks on the device) for ``silu_and_mul_lora``'s ``down``, where down's product of that launch's
-        output (half of y's columns) takes the decode path with a shrink (some slot has a rank) and the
-        gated kernel supports its A; else None (down runs its own shrink)."""
-        if not gated_lora.SHRINK_ENABLED or len(down.lora_a) != 1:
+    def fused_shrink(self, x_like, lora_a_stacked, lora_b_stacked, ranks, weight, meta, token_slots) -> FusedShrink | None:
+        """``PunicaWrapper.fused_shrink``: a one-slice layer whose product of an x like x_like takes the decode
+        path with a shrink (some slot has a rank), so that its x's writer may compute that shrink."""
+        if len(lora_a_stacked) != 1 or _max_rank(lora_a_stacked, ranks, meta) == 0:
             return None
-        out_like = y[:, : y.shape[1] // 2]
-        if not gated_lora.shrink_supports(down.lora_a[0], y) or _max_rank(down.lora_a, down.ranks, meta) == 0:
+        if self._decode_tiles(x_like, weight, lora_b_stacked, meta) is None:
             return None
-        if self._decode_tiles(out_like, down.weight, down.lora_b, meta) is None:
-            return None
-        return down.lora_a[0], self.ranks_tensor(down.ranks)
+        return FusedShrink(lora_a_stacked[0], self.ranks_tensor(ranks), token_slots)
 
     def _decode_tiles(self, x, weight, lora_b_stacked, meta) -> decode.DecodeTiles | None:
         """The decode GEMM's tiles for this LoRA'd product, or None where ``decode_linear`` does not apply
