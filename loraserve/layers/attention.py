@@ -119,6 +119,7 @@ class Attention(nn.Module):
         v: torch.Tensor,
         positions: torch.Tensor | None = None,
         rotary_emb: RotaryEmbedding | None = None,
+        feeds: nn.Module | None = None,
     ) -> torch.Tensor:
         """q (T, Hq*D), k/v (T, Hk*D) (or (T, H, D) views, head_dim contiguous) -> (T, Hq*D).
 
@@ -127,6 +128,10 @@ class Attention(nn.Module):
         first (the cache holds rotated k and plain v); without them they are taken as rotated already.
         The result is the same either way; with the Triton kernel bound, the rotation and the cache
         write are one launch.
+
+        ``feeds``: the layer the output goes to (o_proj). Where it is LoRA'd (``fused_shrink_operands``) and
+        this is a decode step on the Triton kernel, the attention launch computes its shrink too, kept for it
+        (``keep_shrunk``): o_proj then runs no shrink launch.
         """
         md = get_forward_context().attn
         T = q.shape[0]
@@ -145,8 +150,29 @@ class Attention(nn.Module):
                 q, k = rotary_emb(positions, q, k)
             self.k_cache[md.slot_mapping] = k.to(self.k_cache.dtype)
             self.v_cache[md.slot_mapping] = v.to(self.v_cache.dtype)
-        if self._kernel is not None:
-            o = self._kernel(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
-        else:
+        if self._kernel is None:
             o = reference_paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
-        return o.reshape(T, self.num_heads * self.head_dim)
+            return o.reshape(T, self.num_heads * self.head_dim)
+        shrink = self._fused_shrink(q, md, feeds)
+        if shrink is None:
+            o = self._kernel(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
+            return o.reshape(T, self.num_heads * self.head_dim)
+        o, obuf = self._kernel(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window, shrink=shrink)
+        out = o.reshape(T, self.num_heads * self.head_dim)
+        feeds.keep_shrunk(out, obuf)
+        return out
+
+    def _fused_shrink(self, q: torch.Tensor, md, feeds: nn.Module | None):
+        """(A, ranks, token slots) for the Triton kernel to compute ``feeds``' LoRA shrink of the output, where
+        it is on (LORASERVE_ATTN_SHRINK), feeds takes it this step and the kernel supports it; else None."""
+        operands = getattr(feeds, "fused_shrink_operands", None)
+        if operands is None or md.max_query_len > 1:
+            return None
+        from loraserve.layers import triton_attention  # the kernel is bound: triton is importable
+
+        if not triton_attention.SHRINK_ENABLED:
+            return None
+        fused = operands(q.reshape(q.shape[0], -1))  # an input like the output (its shape, dtype, device)
+        if fused is None or not triton_attention.shrink_supports(q, md, fused.lora_a):
+            return None
+        return fused.lora_a, fused.ranks, fused.token_slots

@@ -11,12 +11,14 @@ Decode (every sequence has one new token) needs no work list: item i is sequence
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from loraserve.forward_context import AttentionMetadata
-from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link
+from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, persistent_buffer, sum_planes
 
 _LOG2E = 1.4426950408889634
 
@@ -53,6 +55,20 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: true fp32 products (no tf32), as the reference
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
+    # o's LoRA shrink of the output (decode, ``SHRINK``): o's A, its ranks, each token's slot, the (1, 1, T, R)
+    # total, the partial planes (one per KV head) and the arrival counters (one per token)
+    oa_ptr,  # (S, 1, R, Hq * HEAD_DIM)
+    orank_ptr,  # (S,) int32
+    slots_ptr,  # (T,) int: each token's slot, -1 = base
+    obuf_ptr,  # (1, 1, T, R) fp32
+    ws_ptr,  # (Hk, T, BLOCK_R) fp32
+    cnt_ptr,  # (T,) int32, zero between launches
+    n_tokens,
+    stride_oas,
+    SHRINK: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    RED: tl.constexpr,
 ):
     if PDL_CHAIN:  # touches memory only after its wait
         pdl_link(True)
@@ -129,12 +145,49 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty)
     tl.store(
         o_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(o_ptr.dtype.element_ty),
+        out,
         mask=row_ok[:, None] & d_ok[None, :],
     )
+    if SHRINK:  # decode: one token (q_start), rows 0 .. G-1 its q heads kvh * G + g
+        _o_shrink(out, rows, offs_d, d_ok, q_start, kvh, oa_ptr, orank_ptr, slots_ptr, obuf_ptr, ws_ptr, cnt_ptr,
+                  n_tokens, stride_oas, G, HEAD_DIM, R, BLOCK_R, RED)  # fmt: skip
+
+
+@triton.jit
+def _o_shrink(out, rows, offs_d, d_ok, t, kvh, oa_ptr, orank_ptr, slots_ptr, obuf_ptr, ws_ptr, cnt_ptr, n_tokens,
+              stride_oas, G: tl.constexpr, HEAD_DIM: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+              RED: tl.constexpr):  # fmt: skip
+    """obuf[0, 0, t, r] = sum over o's columns c of A[slot(t), r, c] * out[t, c], for a token with a slot.
+
+    This program has its KV head's G heads of the token (rows 0 .. G-1 of ``out``, rounded as stored): their
+    partial (products of half-precision values, exact in fp32, summed in fp32) goes to the head's plane; the
+    last of the token's Hk programs to arrive (an atomic counter per token) sums the planes in head order:
+    the same bits whoever arrives last (lora_shrink's split-K pattern: stores, CTA barrier, acq_rel atomic,
+    loads past L1). Base tokens write nothing (their rows are read by no one: ``zero_fill``'s contract)."""
+    slot = tl.load(slots_ptr + t)
+    if slot >= 0:
+        rank = tl.load(orank_ptr + slot)
+        offs_r = tl.arange(0, BLOCK_R)
+        a_rows = oa_ptr + slot.to(tl.int64) * stride_oas + offs_r[:, None] * (tl.num_programs(1) * G * HEAD_DIM)
+        a_mask = (offs_r < rank)[:, None] & d_ok[None, :]
+        o32 = out.to(tl.float32)
+        part = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for g in tl.static_range(G):
+            row = tl.sum(tl.where(rows[:, None] == g, o32, 0.0), axis=0)  # (BLOCK_D,): head kvh * G + g
+            a = tl.load(a_rows + (kvh * G + g) * HEAD_DIM + offs_d[None, :], mask=a_mask, other=0.0)
+            part += tl.sum(a.to(tl.float32) * row[None, :], axis=1)
+        n_heads = tl.num_programs(1)
+        tl.store(ws_ptr + (kvh * n_tokens + t) * BLOCK_R + offs_r, part)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_heads - 1:
+            r_all = tl.full((BLOCK_R,), 1, tl.int1)
+            total = sum_planes(ws_ptr + t * BLOCK_R + offs_r, r_all, n_heads, n_tokens * BLOCK_R, RED, True)
+            tl.store(obuf_ptr + t * R + offs_r, total, mask=offs_r < R)
+            tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
 
 
 def _tiles(group: int, decode: bool) -> tuple[int, int]:
@@ -152,6 +205,28 @@ def work_items(md: AttentionMetadata, block_q: int, device: torch.device) -> tor
     return md.gpu_cache[key]
 
 
+def shrink_supports(q: torch.Tensor, md: AttentionMetadata, lora_a: torch.Tensor) -> bool:
+    """Whether ``paged_attention`` can compute the shrink of its output with o's A stack (S, 1, R, Hq * D):
+    a decode step (one query token a sequence), half-precision q and A (products exact in fp32), A
+    contiguous, R up to MAX_SHRINK_RANK."""
+    T, Hq, D = q.shape
+    S, one, R, K = lora_a.shape
+    return (
+        md.max_query_len <= 1
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and lora_a.dtype in (torch.float16, torch.bfloat16)
+        and one == 1
+        and K == Hq * D
+        and R <= MAX_SHRINK_RANK
+        and lora_a.is_contiguous()
+    )
+
+
+# The decode attention computes o's LoRA shrink of its output (``shrink``); LORASERVE_ATTN_SHRINK=0: o's own launch
+SHRINK_ENABLED = os.environ.get("LORASERVE_ATTN_SHRINK", "1") != "0"
+MAX_SHRINK_RANK = 64  # a program holds a (rank, head_dim) tile of A per q head of its group
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -160,11 +235,16 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     block_size: int | None = None,
-) -> torch.Tensor:
+    shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q (T, Hq, D) over the paged cache (num_slots, Hk, D) -> (T, Hq, D), causal (+ sliding window).
 
     Needs ``md.seq_info`` (B, >=3) int32 [query_start, query_len, context_len] and ``md.block_tables``
     (B, max_blocks) int32 on q's device.
+
+    ``shrink``: (A (S, 1, R, Hq * D), ranks (S,) int32, token_slots (T,)) of o's LoRA (``shrink_supports``):
+    then (out, obuf), obuf (1, 1, T, R) fp32 = out.reshape(T, -1) @ A[slot]^T per token with a slot, what
+    ``lora_shrink(..., zero_fill=True)`` writes (every column r < R of those rows; base rows unwritten).
     """
     T, Hq, D = q.shape
     _, Hk, Dk = k_cache.shape
@@ -180,8 +260,13 @@ def paged_attention(
     block_size = block_size or md.block_size
     out = torch.empty_like(q)
     B = md.num_seqs
+    if shrink is not None:
+        oa, orank, slots = shrink
+        assert shrink_supports(q, md, oa), f"o's A {tuple(oa.shape)} {oa.dtype}: see shrink_supports"
+        R = oa.shape[2]
+        obuf = torch.empty((1, 1, T, R), dtype=torch.float32, device=q.device)
     if T == 0 or B == 0:
-        return out
+        return out if shrink is None else (out, obuf)
     G = Hq // Hk
     decode = md.max_query_len <= 1
     block_m, block_q = _tiles(G, decode)
@@ -193,6 +278,17 @@ def paged_attention(
     block_d = triton.next_power_of_2(D)
     block_n = 64 if block_d <= 128 and q.dtype != torch.float32 else 32
     chain = pdl_chain(q.device)
+    if shrink is not None:
+        assert decode and slots.shape == (T,) and orank.dtype == torch.int32, "shrink: a decode step's slots, int32 ranks"
+        block_r = max(16, triton.next_power_of_2(R))
+        ws = persistent_buffer(q.device, "attention/o_shrink_partials", Hk * T * block_r, torch.float32)
+        cnt = persistent_buffer(q.device, "attention/o_shrink_arrivals", T)
+        shrink_kw = dict(oa_ptr=oa, orank_ptr=orank, slots_ptr=slots, obuf_ptr=obuf, ws_ptr=ws, cnt_ptr=cnt,
+                         n_tokens=T, stride_oas=oa.stride(0), SHRINK=True, R=R, BLOCK_R=block_r,
+                         RED=min(triton.next_power_of_2(Hk), 16))  # fmt: skip
+    else:
+        shrink_kw = dict(oa_ptr=out, orank_ptr=si, slots_ptr=si, obuf_ptr=out, ws_ptr=out, cnt_ptr=si, n_tokens=T,
+                         stride_oas=0, SHRINK=False, R=16, BLOCK_R=16, RED=1)  # fmt: skip
     _paged_attention_kernel[(n_items, Hk)](
         q, k_cache, v_cache, out, si, bt, work,
         scale * _LOG2E, sliding_window or 0,
@@ -201,6 +297,6 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         G=G, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=block_d, IS_DECODE=decode, SLIDING=sliding_window is not None, IEEE=q.dtype == torch.float32,
-        PDL_CHAIN=chain, num_warps=4, num_stages=2, launch_pdl=chain,
+        PDL_CHAIN=chain, num_warps=4, num_stages=2, launch_pdl=chain, **shrink_kw,
     )  # fmt: skip
-    return out
+    return out if shrink is None else (out, obuf)

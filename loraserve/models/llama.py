@@ -59,7 +59,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(T, -1, self.head_dim))  # (T, Hq, D)
             k = self.k_norm(k.reshape(T, -1, self.head_dim))  # (T, Hk, D)
-        o = self.attn(q, k, v, positions, self.rotary_emb)  # rotary + cache write fused on the GPU
+        # rotary + cache write fused on the GPU; feeds: a LoRA'd o_proj may get its shrink from the attention launch
+        o = self.attn(q, k, v, positions, self.rotary_emb, feeds=self.o_proj)
         return self.o_proj(o)
 
 

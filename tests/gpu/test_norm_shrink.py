@@ -222,8 +222,9 @@ def test_decoder_norms_hand_qkv_and_gate_up_their_shrink(gated, monkeypatch):
     and base tokens): with the shrink in the norms the logits equal those of the shrink launches, the
     norms compute qkv's (3 slices) and gate/up's (2), and the only shrink launches left are o's and down's.
     Either path of gate/up takes the norm's shrink: the SiLU-and-mul launch (gated) or the GEMM's epilogue.
-    On the gated path that launch also computes down's shrink (LORASERVE_GATED_SHRINK): then only o's is
-    left, with the same logits."""
+    On the gated path that launch also computes down's shrink (LORASERVE_GATED_SHRINK), and the decode
+    attention o's (LORASERVE_ATTN_SHRINK): then a decode step launches no shrink at all, with the same logits."""
+    from loraserve.layers import triton_attention
     from loraserve.lora.ops.triton import gated_lora
 
     model, mapping, fdp = _lora_model(seed=1)
@@ -235,6 +236,7 @@ def test_decoder_norms_hand_qkv_and_gate_up_their_shrink(gated, monkeypatch):
     monkeypatch.setattr(ns, "norm_shrink", lambda *a, **k: norms.append(len(a[4])) or real_norm(*a, **k))
     monkeypatch.setattr(ns, "ENABLED", False)
     monkeypatch.setattr(gated_lora, "SHRINK_ENABLED", False)
+    monkeypatch.setattr(triton_attention, "SHRINK_ENABLED", False)
     want = _run_lora_steps(model, mapping, fdp)
     n_steps, n_layers = len(fdp.STEPS), 2
     assert not norms and len(shrinks) == 4 * n_layers * n_steps, shrinks
@@ -248,16 +250,23 @@ def test_decoder_norms_hand_qkv_and_gate_up_their_shrink(gated, monkeypatch):
     for layer in model.modules():
         assert getattr(layer, "_shrunk_input", None) is None, "every shrink the norms made was taken"
     shrinks.clear()
-    downs = []
-    real_gated = gated_lora.silu_and_mul_lora
+    downs, os_ = [], []
+    real_gated, real_attn = gated_lora.silu_and_mul_lora, triton_attention.paged_attention
     monkeypatch.setattr(gated_lora, "silu_and_mul_lora", lambda *a, **k: downs.append(k.get("down") is not None) or real_gated(*a, **k))
+    monkeypatch.setattr(fdp.attention_mod, "_select_kernel", lambda device: lambda *a, **k: os_.append(k.get("shrink") is not None) or real_attn(*a, **k))
     monkeypatch.setattr(gated_lora, "SHRINK_ENABLED", True)
+    monkeypatch.setattr(triton_attention, "SHRINK_ENABLED", True)
     got = _run_lora_steps(model, mapping, fdp)
+    # STEPS: a prefill, a decode step, then a chunked prefill beside a decode (not a decode step)
+    decode = [len(step) == sum(n for _, n in step) for step in fdp.STEPS]
+    assert os_ == [d for d in decode for _ in range(n_layers)], f"the decode step's attention computed o's shrink: {os_}"
     if gated:
         assert downs == [True] * n_layers * n_steps, f"every gated launch computed down's shrink: {downs}"
-        assert shrinks == [1] * n_layers * n_steps, f"only o launches a shrink: {shrinks}"
+        want_shrinks = [[1], []]
     else:
-        assert not downs and shrinks == [1, 1] * n_layers * n_steps, (downs, shrinks)
+        assert not downs, downs
+        want_shrinks = [[1, 1], [1]]
+    assert shrinks == [n for d in decode for _ in range(n_layers) for n in want_shrinks[d]], shrinks
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")
     for layer in model.modules():

@@ -14,42 +14,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from loraserve.forward_context import AttentionMetadata  # noqa: E402
 from loraserve.layers.attention import reference_paged_attention  # noqa: E402
 from loraserve.layers.triton_attention import paged_attention  # noqa: E402
+from tests.gpu.attention_batches import make_batch  # noqa: E402
 
 DEV = torch.device("cuda")
-
-
-def make_batch(g, q_lens, ctx_lens, block_size, num_blocks, device):
-    """Metadata with each sequence's blocks drawn at random from the whole cache (no sharing)."""
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, starts, slot_mapping, kv_slots = [], [], [], []
-    pos = 0
-    for n, c in zip(q_lens, ctx_lens):
-        nb = -(-c // block_size)
-        table, perm = perm[:nb], perm[nb:]
-        tables.append(table)
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(c)]
-        kv_slots.append(torch.tensor(slots, dtype=torch.long, device=device))
-        slot_mapping.extend(slots[c - n :])
-        starts.append(pos)
-        pos += n
-    width = max(len(t) for t in tables)
-    packed = torch.tensor(
-        [[s, n, c] + t + [0] * (width - len(t)) for s, n, c, t in zip(starts, q_lens, ctx_lens, tables)],
-        dtype=torch.int32,
-    ).to(device)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        query_starts=starts,
-        query_lens=list(q_lens),
-        context_lens=list(ctx_lens),
-        kv_slots=kv_slots,
-        block_tables=packed[:, 3:],
-        seq_info=packed[:, :3],
-        block_size=block_size,
-    )
 
 
 BATCHES = {
