@@ -7,6 +7,10 @@ table in BLOCK_N steps, only up to the causal limit of its last query token (and
 window's start, when the layer has one), with an online softmax in fp32.
 
 Decode (every sequence has one new token) needs no work list: item i is sequence i.
+
+o's LoRA shrink (decode, ``shrink``; on by default, ``LORASERVE_ATTN_SHRINK=0`` turns it off): the output is x
+of o_proj, so a decode launch may also compute o's shrink of it (``_o_shrink``), as the norms do for qkv and
+gate/up (``norm_shrink``): o's GEMM then runs without a shrink launch between attention and it.
 """
 
 from __future__ import annotations

@@ -19,6 +19,13 @@ Llama-8B's (5.7 vs 4.6 µs), so the engine takes it where K <= GATED_MAX_K.
 Layout: program p owns columns [p * BLOCK_N, (p + 1) * BLOCK_N) of the gate half and the same columns of
 the up half, for every token (up to BLOCK_M = 32): its two deltas are one MMA each per chunk of slots,
 transposed as ``expand_block`` computes them (columns along the MMA's M).
+
+Down's shrink (``down``; on by default, ``LORASERVE_GATED_SHRINK=0`` turns it off): the output is x of the
+down projection, so this launch also computes down's LoRA shrink of it, as the norms do for qkv and gate/up
+(``norm_shrink``): down's GEMM then runs without a shrink launch before it. Each program loads its columns
+of every slot's A before its PDL wait (weights), multiplies its output tile by it (one MMA, exact tf32
+products of half-precision values) and keeps each token's own slot's rows; the partials are summed in a
+fixed order in two levels (``_shrink_of_output``), so the bits do not depend on which program finishes last.
 """
 
 from __future__ import annotations
