@@ -50,10 +50,10 @@
 #   bash benchmarks/gpu/run_device.sh e2e19     # bench_e2e both shapes without HF: LORASERVE_NORM_SHRINK=0, then the default (on)
 #   bash benchmarks/gpu/run_device.sh trace8b   # step_trace.py on the Llama-8B shape: LORASERVE_NORM_SHRINK=0, then the default (on)
 #   bash benchmarks/gpu/run_device.sh fuse21    # the new kernels' tests, every GPU test, then step_trace.py on the Qwen-0.5B shape:
-#                                               down's shrink in SiLU-and-mul and o's in attention both off, each alone, both (the default)
-#   bash benchmarks/gpu/run_device.sh e2e21     # bench_e2e both shapes without HF: both off, then the default
-#   bash benchmarks/gpu/run_device.sh all21     # the new tests, Qwen-0.5B's trace and bench_e2e (both fused shrinks off, on), every GPU test
-#   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off, then on (the default)
+#                                               down's shrink in SiLU-and-mul and o's in attention both off (the default), each alone, both
+#   bash benchmarks/gpu/run_device.sh e2e21     # bench_e2e both shapes without HF: the default (both off), then both on
+#   bash benchmarks/gpu/run_device.sh all21     # the new tests, Qwen-0.5B's trace and bench_e2e (both fused shrinks off, on; session 21 ran it when on was the default), every GPU test
+#   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/gpu_out}"
@@ -236,35 +236,35 @@ for stage in "$@"; do
         fuse21)
             timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -x tests/gpu/test_gated_lora.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py 2>&1 | tail -8 | tee "$OUT/new_tests.txt"
             timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
-            for knobs in "LORASERVE_GATED_SHRINK=0 LORASERVE_ATTN_SHRINK=0" "LORASERVE_ATTN_SHRINK=0" "LORASERVE_GATED_SHRINK=0" ""; do
+            for knobs in "" "LORASERVE_GATED_SHRINK=1" "LORASERVE_ATTN_SHRINK=1" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"; do
                 name=$(echo "${knobs:-default}" | tr ' =,' '___')
                 echo "### step_trace qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/step_trace.txt"
                 env $knobs timeout 100 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace.txt" | grep "graph replay"
             done
             ;;
         e2e21)
-            for knobs in "LORASERVE_GATED_SHRINK=0 LORASERVE_ATTN_SHRINK=0" ""; do
+            for knobs in "" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"; do
                 name=$(echo "${knobs:-default}" | tr ' =,' '___')
                 env $knobs timeout 200 python3 benchmarks/gpu/bench_e2e.py --skip-hf --json "$OUT/e2e_$name.json" 2>&1 | tee "$OUT/e2e_$name.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
             done
             ;;
         all21)
             # one call's worth, most wanted first: the new kernels' tests, the Qwen-0.5B step (trace, then bench_e2e) with the
-            # fused shrinks of down and o off and on (the default), then every GPU test
+            # fused shrinks of down and o off (the default) and on, then every GPU test
             timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider -x tests/gpu/test_gated_lora.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py 2>&1 | tail -8 | tee "$OUT/new_tests.txt"
-            for knobs in "LORASERVE_GATED_SHRINK=0 LORASERVE_ATTN_SHRINK=0" ""; do
+            for knobs in "" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"; do
                 name=$(echo "${knobs:-default}" | tr ' =,' '___')
                 echo "### step_trace qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/step_trace.txt"
                 env $knobs timeout 80 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace.txt" | grep "graph replay"
             done
-            for knobs in "LORASERVE_GATED_SHRINK=0 LORASERVE_ATTN_SHRINK=0" ""; do
+            for knobs in "" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"; do
                 name=$(echo "${knobs:-default}" | tr ' =,' '___')
                 env $knobs timeout 90 python3 benchmarks/gpu/bench_e2e.py --shapes qwen2.5-0.5b --skip-hf --json "$OUT/e2e_$name.json" 2>&1 | tee "$OUT/e2e_$name.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
             done
             timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
             ;;
         trace8b21)
-            for knobs in "LORASERVE_ATTN_SHRINK=0" ""; do
+            for knobs in "" "LORASERVE_ATTN_SHRINK=1"; do
                 name=$(echo "${knobs:-default}" | tr ' =,' '___')
                 echo "### step_trace llama-3.1-8b: ${knobs:-default}" | tee -a "$OUT/step_trace_8b.txt"
                 env $knobs timeout 120 python3 benchmarks/gpu/step_trace.py --shapes llama-3.1-8b --out "$OUT/traces8b_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_8b.txt" | grep "graph replay"

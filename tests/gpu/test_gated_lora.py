@@ -197,7 +197,7 @@ SHRINK_CASES = [
     # M, D (each half), S, R of gate/up, RA of down, LoRA dtype, block_n: programs (groups of ~sqrt)
     (32, 256, 8, 16, 16, torch.float16, 64),  # 4 programs, two groups of two
     (5, 640, 3, 8, 8, torch.float16, 64),  # 10 programs: groups of 4, the last one short
-    (17, 1024, 12, 16, 16, torch.float32, 32),  # 32 programs, 16 slots a tile, fp32 A (tf32, as the shrink)
+    (17, 1024, 12, 16, 16, torch.float32, 32),  # 32 programs, 16 slots a tile, fp32 A (tf32, as the shrink launch)
     (9, 128, 4, 16, 64, torch.float16, 64),  # down's rank 64: 4 slots x 64 rows
     (1, 64, 2, 16, 16, torch.float16, 64),  # one program: one group, one plane at each level
     (32, 512, 8, 16, 16, torch.bfloat16, 64),
@@ -244,7 +244,10 @@ def test_silu_and_mul_lora_computes_downs_shrink(case):
     got = dbuf[0, 0].double().cpu()
     scale = exact.abs().max().item()
     assert scale > 0
-    assert (got[lora_rows] - exact[lora_rows]).abs().max().item() <= 1e-5 * scale
+    # fp32 A multiplies in tf32 (A's 10 mantissa bits, as the shrink launch takes it: measured 3.5e-4 of the
+    # scale from the exact sums on an H100); half-precision A's products are exact
+    exact_tol = 2e-3 if wdt == torch.float32 else 1e-5
+    assert (got[lora_rows] - exact[lora_rows]).abs().max().item() <= exact_tol * scale
     assert (got[lora_rows] - ref[0, 0, lora_rows].double().cpu()).abs().max().item() <= 1e-5 * scale
     assert torch.equal(got[base_rows], torch.zeros_like(got[base_rows]))
     _, again = silu_and_mul_lora(y, buf, Bs, mapping.token_slots, block_n=block_n, down=(Ad, drank))
