@@ -173,6 +173,6 @@ class Attention(nn.Module):
         if not triton_attention.SHRINK_ENABLED:
             return None
         fused = operands(q.reshape(q.shape[0], -1))  # an input like the output (its shape, dtype, device)
-        if fused is None or not triton_attention.shrink_supports(q, md, fused.lora_a):
+        if fused is None or not triton_attention.shrink_supports(q, self.num_kv_heads, md, fused.lora_a):
             return None
         return fused.lora_a, fused.ranks, fused.token_slots

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from loraserve.forward_context import AttentionMetadata
-from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, persistent_buffer, sum_planes
+from loraserve.lora.ops.triton.utils import dot_in, pdl_chain, pdl_link
 
 _LOG2E = 1.4426950408889634
 
@@ -59,25 +59,27 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: true fp32 products (no tf32), as the reference
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
-    # o's LoRA shrink of the output (decode, ``SHRINK``): o's A, its ranks, each token's slot, the (1, 1, T, R)
-    # total, the partial planes (one per KV head) and the arrival counters (one per token)
+    # o's LoRA shrink of the output (decode, ``SHRINK``): o's A, its ranks, each token's slot, and the partials,
+    # one plane per KV head (summed by o's GEMM as split-K planes)
     oa_ptr,  # (S, 1, R, Hq * HEAD_DIM)
     orank_ptr,  # (S,) int32
     slots_ptr,  # (T,) int: each token's slot, -1 = base
-    obuf_ptr,  # (1, 1, T, R) fp32
-    ws_ptr,  # (Hk, T, BLOCK_R) fp32
-    cnt_ptr,  # (T,) int32, zero between launches
+    obuf_ptr,  # (Hk, 1, T, R) fp32
     n_tokens,
     stride_oas,
     SHRINK: tl.constexpr,
     R: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    RED: tl.constexpr,
+    G_POW2: tl.constexpr,
 ):
-    if PDL_CHAIN:  # touches memory only after its wait
-        pdl_link(True)
     item = tl.program_id(0)
     kvh = tl.program_id(1)
+    if SHRINK:  # before the wait: the metadata, the mapping and o's A (written before the forward)
+        tok = tl.load(seq_info_ptr + item * stride_info)  # decode: item is the sequence, its one token
+        oslot = tl.load(slots_ptr + tok)
+        oa = _o_a_tile(oa_ptr, orank_ptr, oslot, kvh, stride_oas, G, HEAD_DIM, BLOCK_D, BLOCK_R, G_POW2)
+    if PDL_CHAIN:  # touches the activations only after its wait
+        pdl_link(True)
     if IS_DECODE:
         seq = item
         qb = 0
@@ -156,42 +158,43 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
     )
     if SHRINK:  # decode: one token (q_start), rows 0 .. G-1 its q heads kvh * G + g
-        _o_shrink(out, rows, offs_d, d_ok, q_start, kvh, oa_ptr, orank_ptr, slots_ptr, obuf_ptr, ws_ptr, cnt_ptr,
-                  n_tokens, stride_oas, G, HEAD_DIM, R, BLOCK_R, RED)  # fmt: skip
+        _o_shrink(out, oa, rows, oslot, q_start, kvh, obuf_ptr, n_tokens, R, BLOCK_R, G_POW2)
 
 
 @triton.jit
-def _o_shrink(out, rows, offs_d, d_ok, t, kvh, oa_ptr, orank_ptr, slots_ptr, obuf_ptr, ws_ptr, cnt_ptr, n_tokens,
-              stride_oas, G: tl.constexpr, HEAD_DIM: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-              RED: tl.constexpr):  # fmt: skip
-    """obuf[0, 0, t, r] = sum over o's columns c of A[slot(t), r, c] * out[t, c], for a token with a slot.
+def _o_a_tile(oa_ptr, orank_ptr, slot, kvh, stride_oas, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, G_POW2: tl.constexpr):  # fmt: skip
+    """(G_POW2 * BLOCK_R, BLOCK_D) of o's A for this program's q heads: row c is head kvh * G + c // BLOCK_R,
+    rank c % BLOCK_R; zeros past the slot's rank (whatever A holds there), past G, and for a base token."""
+    offs_c = tl.arange(0, G_POW2 * BLOCK_R)
+    g = offs_c // BLOCK_R
+    r = offs_c % BLOCK_R
+    offs_d = tl.arange(0, BLOCK_D)
+    rank = tl.load(orank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    n_cols = tl.num_programs(1) * G * HEAD_DIM  # A's row: every q head's columns
+    ptrs = oa_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_oas + r[:, None] * n_cols
+    ptrs = ptrs + (kvh * G + g)[:, None] * HEAD_DIM + offs_d[None, :]
+    return tl.load(ptrs, mask=((g < G) & (r < rank))[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
 
-    This program has its KV head's G heads of the token (rows 0 .. G-1 of ``out``, rounded as stored): their
-    partial (products of half-precision values, exact in fp32, summed in fp32) goes to the head's plane; the
-    last of the token's Hk programs to arrive (an atomic counter per token) sums the planes in head order:
-    the same bits whoever arrives last (lora_shrink's split-K pattern: stores, CTA barrier, acq_rel atomic,
-    loads past L1). Base tokens write nothing (their rows are read by no one: ``zero_fill``'s contract)."""
-    slot = tl.load(slots_ptr + t)
+
+@triton.jit
+def _o_shrink(out, oa, rows, slot, t, kvh, obuf_ptr, n_tokens, R: tl.constexpr, BLOCK_R: tl.constexpr,
+              G_POW2: tl.constexpr):  # fmt: skip
+    """obuf[kvh, 0, t, r] = sum over this program's q heads g and head_dim d of A[slot(t), r, head g's d] *
+    out[g, d]: this KV head's plane of o's shrink, for a token with a slot (base tokens' rows are read by no
+    one: ``zero_fill``'s contract). o's GEMM sums the Hk planes in order (as split-K planes).
+
+    One MMA (out, rounded as stored, by every head's tile of A: exact tf32 products of half-precision
+    values, fp32 sums) gives every (row, head, rank); each row keeps its own head's columns."""
     if slot >= 0:
-        rank = tl.load(orank_ptr + slot)
+        m = dot_in(out, tl.trans(oa), tl.float32, False)  # (BLOCK_M, G_POW2 * BLOCK_R)
+        offs_c = tl.arange(0, G_POW2 * BLOCK_R)
+        own = rows[:, None] == (offs_c // BLOCK_R)[None, :]  # row g is head g of the token
+        per_head = tl.sum(tl.where(own, m, 0.0), axis=0)
+        part = tl.sum(tl.reshape(per_head, (G_POW2, BLOCK_R)), axis=0)
         offs_r = tl.arange(0, BLOCK_R)
-        a_rows = oa_ptr + slot.to(tl.int64) * stride_oas + offs_r[:, None] * (tl.num_programs(1) * G * HEAD_DIM)
-        a_mask = (offs_r < rank)[:, None] & d_ok[None, :]
-        o32 = out.to(tl.float32)
-        part = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for g in tl.static_range(G):
-            row = tl.sum(tl.where(rows[:, None] == g, o32, 0.0), axis=0)  # (BLOCK_D,): head kvh * G + g
-            a = tl.load(a_rows + (kvh * G + g) * HEAD_DIM + offs_d[None, :], mask=a_mask, other=0.0)
-            part += tl.sum(a.to(tl.float32) * row[None, :], axis=1)
-        n_heads = tl.num_programs(1)
-        tl.store(ws_ptr + (kvh * n_tokens + t) * BLOCK_R + offs_r, part)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_heads - 1:
-            r_all = tl.full((BLOCK_R,), 1, tl.int1)
-            total = sum_planes(ws_ptr + t * BLOCK_R + offs_r, r_all, n_heads, n_tokens * BLOCK_R, RED, True)
-            tl.store(obuf_ptr + t * R + offs_r, total, mask=offs_r < R)
-            tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
+        tl.store(obuf_ptr + (kvh * n_tokens + t) * R + offs_r, part, mask=offs_r < R)
 
 
 def _tiles(group: int, decode: bool) -> tuple[int, int]:
@@ -209,19 +212,22 @@ def work_items(md: AttentionMetadata, block_q: int, device: torch.device) -> tor
     return md.gpu_cache[key]
 
 
-def shrink_supports(q: torch.Tensor, md: AttentionMetadata, lora_a: torch.Tensor) -> bool:
+def shrink_supports(q: torch.Tensor, kv_heads: int, md: AttentionMetadata, lora_a: torch.Tensor) -> bool:
     """Whether ``paged_attention`` can compute the shrink of its output with o's A stack (S, 1, R, Hq * D):
-    a decode step (one query token a sequence), half-precision q and A (products exact in fp32), A
-    contiguous, R up to MAX_SHRINK_RANK."""
+    a decode step (one query token a sequence), half-precision q and A (products exact in tf32), A
+    contiguous, a program's tile of A (its group's q heads x the rank x head_dim, in powers of two; held in
+    registers from before the PDL wait) at most MAX_SHRINK_TILE elements."""
     T, Hq, D = q.shape
     S, one, R, K = lora_a.shape
+    group = triton.next_power_of_2(Hq // kv_heads)
+    tile = group * max(16, triton.next_power_of_2(R)) * triton.next_power_of_2(D)
     return (
         md.max_query_len <= 1
         and q.dtype in (torch.float16, torch.bfloat16)
         and lora_a.dtype in (torch.float16, torch.bfloat16)
         and one == 1
         and K == Hq * D
-        and R <= MAX_SHRINK_RANK
+        and tile <= MAX_SHRINK_TILE
         and lora_a.is_contiguous()
     )
 
@@ -231,7 +237,8 @@ def shrink_supports(q: torch.Tensor, md: AttentionMetadata, lora_a: torch.Tensor
 # a layer, more than the 5.0 µs shrink launch it saves: A loaded after the KV loop, and G cross-warp reductions of
 # the output tile); kept to build on, and its tests run it
 SHRINK_ENABLED = os.environ.get("LORASERVE_ATTN_SHRINK", "0") == "1"
-MAX_SHRINK_RANK = 64  # a program holds a (rank, head_dim) tile of A per q head of its group
+# A's tile a program holds: Qwen2.5-0.5B (a group of 7 q heads of 64) and Llama-8B (4 of 128) at rank 16 take 8192
+MAX_SHRINK_TILE = 8192
 
 
 def paged_attention(
@@ -250,8 +257,10 @@ def paged_attention(
     (B, max_blocks) int32 on q's device.
 
     ``shrink``: (A (S, 1, R, Hq * D), ranks (S,) int32, token_slots (T,)) of o's LoRA (``shrink_supports``):
-    then (out, obuf), obuf (1, 1, T, R) fp32 = out.reshape(T, -1) @ A[slot]^T per token with a slot, what
-    ``lora_shrink(..., zero_fill=True)`` writes (every column r < R of those rows; base rows unwritten).
+    then (out, obuf), obuf (Hk, 1, T, R) fp32: per KV head, that head's q heads' part of out.reshape(T, -1) @
+    A[slot]^T per token with a slot; summed over the planes in order, what ``lora_shrink(..., zero_fill=True)``
+    writes (every column r < R of those rows; base rows unwritten): the split-K planes decode_linear's
+    epilogue sums (``ExpandEpilogue``).
     """
     T, Hq, D = q.shape
     _, Hk, Dk = k_cache.shape
@@ -269,9 +278,9 @@ def paged_attention(
     B = md.num_seqs
     if shrink is not None:
         oa, orank, slots = shrink
-        assert shrink_supports(q, md, oa), f"o's A {tuple(oa.shape)} {oa.dtype}: see shrink_supports"
+        assert shrink_supports(q, Hk, md, oa), f"o's A {tuple(oa.shape)} {oa.dtype}: see shrink_supports"
         R = oa.shape[2]
-        obuf = torch.empty((1, 1, T, R), dtype=torch.float32, device=q.device)
+        obuf = torch.empty((Hk, 1, T, R), dtype=torch.float32, device=q.device)
     if T == 0 or B == 0:
         return out if shrink is None else (out, obuf)
     G = Hq // Hk
@@ -287,15 +296,12 @@ def paged_attention(
     chain = pdl_chain(q.device)
     if shrink is not None:
         assert decode and slots.shape == (T,) and orank.dtype == torch.int32, "shrink: a decode step's slots, int32 ranks"
-        block_r = max(16, triton.next_power_of_2(R))
-        ws = persistent_buffer(q.device, "attention/o_shrink_partials", Hk * T * block_r, torch.float32)
-        cnt = persistent_buffer(q.device, "attention/o_shrink_arrivals", T)
-        shrink_kw = dict(oa_ptr=oa, orank_ptr=orank, slots_ptr=slots, obuf_ptr=obuf, ws_ptr=ws, cnt_ptr=cnt,
-                         n_tokens=T, stride_oas=oa.stride(0), SHRINK=True, R=R, BLOCK_R=block_r,
-                         RED=min(triton.next_power_of_2(Hk), 16))  # fmt: skip
+        shrink_kw = dict(oa_ptr=oa, orank_ptr=orank, slots_ptr=slots, obuf_ptr=obuf, n_tokens=T,
+                         stride_oas=oa.stride(0), SHRINK=True, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)),
+                         G_POW2=triton.next_power_of_2(G))  # fmt: skip
     else:
-        shrink_kw = dict(oa_ptr=out, orank_ptr=si, slots_ptr=si, obuf_ptr=out, ws_ptr=out, cnt_ptr=si, n_tokens=T,
-                         stride_oas=0, SHRINK=False, R=16, BLOCK_R=16, RED=1)  # fmt: skip
+        shrink_kw = dict(oa_ptr=out, orank_ptr=si, slots_ptr=si, obuf_ptr=out, n_tokens=T, stride_oas=0,
+                         SHRINK=False, R=16, BLOCK_R=16, G_POW2=1)  # fmt: skip
     _paged_attention_kernel[(n_items, Hk)](
         q, k_cache, v_cache, out, si, bt, work,
         scale * _LOG2E, sliding_window or 0,

@@ -25,18 +25,18 @@ CASES = [
     # tokens (one a sequence), q heads, kv heads, head_dim, slots, R, dtype
     (6, 14, 2, 64, 4, 16, torch.float16),  # Qwen2.5-0.5B's group of 7
     (5, 8, 2, 32, 3, 8, torch.float16),  # rank 8 of a 16-column tile
-    (3, 4, 4, 32, 2, 64, torch.float16),  # MHA: 4 planes a token, rank 64
-    (4, 8, 1, 32, 2, 16, torch.float16),  # MQA: one plane
+    (3, 4, 4, 32, 2, 64, torch.float16),  # MHA: 4 planes, rank 64
+    (4, 8, 1, 32, 2, 16, torch.float16),  # MQA: one plane, a group of 8
     (32, 32, 8, 128, 8, 16, torch.bfloat16),  # Llama-8B's shape
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-H{c[1]}-KV{c[2]}-D{c[3]}-S{c[4]}-R{c[5]}-{c[6]}")
 def test_decode_attention_computes_os_shrink(case):
-    """obuf = the output @ A[slot]^T per LoRA token, as ``lora_shrink(out, ..., zero_fill=True)`` (the sum of
-    exact products in another order: within fp32 rounding), zeros past each slot's rank whatever A holds
-    there; the output bits unchanged by the shrink; the same obuf bits on a second launch (a fixed order
-    of sums, the arrival counters back to zero)."""
+    """obuf's planes (one per KV head) summed in order = the output @ A[slot]^T per LoRA token, as
+    ``lora_shrink(out, ..., zero_fill=True)`` (the sum of exact products in another order: within fp32
+    rounding), zeros past each slot's rank whatever A holds there; the output bits unchanged by the shrink;
+    o's GEMM given obuf as its shrink (split-K planes) as with its own shrink launch."""
     T, H, KV, D, S, R, dtype = case
     skip_interpreted_bf16(dtype)
     g = torch.Generator().manual_seed(T + H + KV + D + R)
@@ -54,7 +54,7 @@ def test_decode_attention_computes_os_shrink(case):
         mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
     )
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
-    assert shrink_supports(q, md, A)
+    assert shrink_supports(q, KV, md, A)
     out, obuf = paged_attention(q, k_cache, v_cache, md, D**-0.5, None, shrink=(A, rank_dev, mapping.token_slots))
     assert torch.equal(out, paged_attention(q, k_cache, v_cache, md, D**-0.5, None))
     flat = out.reshape(T, H * D)
@@ -63,13 +63,26 @@ def test_decode_attention_computes_os_shrink(case):
     exact = torch.stack([A[slots[t], 0].double().cpu() @ flat[t].double().cpu() for t in lora_rows])
     for j, t in enumerate(lora_rows):
         exact[j, ranks[slots[t]] :] = 0.0
-    got = obuf[0, 0, lora_rows].double().cpu()
+    assert obuf.shape == (KV, 1, T, R)
+    total = obuf[0, 0]
+    for p in range(1, KV):  # in plane order, as the GEMM's epilogue sums them
+        total = total + obuf[p, 0]
+    got = total[lora_rows].double().cpu()
     scale = exact.abs().max().item()
     assert scale > 0
     assert (got - exact).abs().max().item() <= 1e-5 * scale
     assert (got - ref[0, 0, lora_rows].double().cpu()).abs().max().item() <= 1e-5 * scale
-    _, again = paged_attention(q, k_cache, v_cache, md, D**-0.5, None, shrink=(A, rank_dev, mapping.token_slots))
-    assert torch.equal(again[0, 0, lora_rows], obuf[0, 0, lora_rows])
+    # o's GEMM with obuf for its shrink: what it gives with its own shrink launch
+    if T <= 32 and D * H % 64 == 0:
+        from loraserve.lora.ops.triton_ops import TritonLoRAOps
+
+        w = (torch.randn(128, H * D, generator=g) * 0.05).to(DEV, dtype)
+        _, Bs = lora_stacks(g, S, R, 8, (128,), ranks, dtype)
+        ops = TritonLoRAOps(DEV)
+        y = ops.linear_with_lora(flat, w, None, (A,), Bs, ranks, meta, mapping.token_slots, shrunk=obuf)
+        want = ops.linear_with_lora(flat, w, None, (A,), Bs, ranks, meta, mapping.token_slots)
+        assert y is not None and want is not None
+        assert (y.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
 
 
 def test_shrink_supports_only_a_decode_step_with_half_precision_a():
@@ -78,8 +91,10 @@ def test_shrink_supports_only_a_decode_step_with_half_precision_a():
     md_prefill = make_batch(g, [3, 1], [3, 9], 4, 8, DEV)
     q = torch.zeros(2, 4, 32, dtype=torch.float16, device=DEV)
     a = torch.zeros(2, 1, 16, 128, dtype=torch.float16, device=DEV)
-    assert shrink_supports(q, md_decode, a)
-    assert not shrink_supports(q, md_prefill, a), "prefill"
-    assert not shrink_supports(q, md_decode, a.float()), "fp32 A"
-    assert not shrink_supports(q, md_decode, a[:, :, :, :64]), "A's columns are not q's heads x head_dim"
-    assert not shrink_supports(q, md_decode, torch.zeros(2, 1, 128, 128, dtype=torch.float16, device=DEV)), "rank 128"
+    assert shrink_supports(q, 2, md_decode, a)
+    assert not shrink_supports(q, 2, md_prefill, a), "prefill"
+    assert not shrink_supports(q, 2, md_decode, a.float()), "fp32 A"
+    assert not shrink_supports(q, 2, md_decode, a[:, :, :, :64]), "A's columns are not q's heads x head_dim"
+    assert shrink_supports(q, 2, md_decode, torch.zeros(2, 1, 128, 128, dtype=torch.float16, device=DEV)), "8192"
+    big = torch.zeros(2, 1, 256, 128, dtype=torch.float16, device=DEV)
+    assert not shrink_supports(q, 2, md_decode, big), "rank 256: a tile of 2 heads x 256 x 32 past MAX_SHRINK_TILE"
