@@ -232,10 +232,11 @@ def shrink_supports(q: torch.Tensor, kv_heads: int, md: AttentionMetadata, lora_
     )
 
 
-# The decode attention computes o's LoRA shrink of its output (``shrink``): opt-in, LORASERVE_ATTN_SHRINK=1. Measured
-# slower (session 21, H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, with down's in SiLU-and-mul: this kernel 6.5 -> 12.9 µs
-# a layer, more than the 5.0 µs shrink launch it saves: A loaded after the KV loop, and G cross-warp reductions of
-# the output tile); kept to build on, and its tests run it
+# The decode attention computes o's LoRA shrink of its output (``shrink``): opt-in, LORASERVE_ATTN_SHRINK=1. Its first
+# form measured slower (session 21, H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, with down's in SiLU-and-mul: this kernel
+# 6.5 -> 12.9 µs a launch, more than the 5.0 µs shrink launch it saved: A loaded after the KV loop, one cross-warp
+# reduction of the output tile per q head, and the KV heads' planes summed by the token's last program behind an
+# arrival counter). This form loads A before the PDL wait, takes one MMA and leaves the planes to o's GEMM.
 SHRINK_ENABLED = os.environ.get("LORASERVE_ATTN_SHRINK", "0") == "1"
 # A's tile a program holds: Qwen2.5-0.5B (a group of 7 q heads of 64) and Llama-8B (4 of 128) at rank 16 take 8192
 MAX_SHRINK_TILE = 8192
