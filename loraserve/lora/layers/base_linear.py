@@ -169,7 +169,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
 
     def fuse_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
         """The RMSNorm whose output is this layer's input, run with this layer's LoRA shrink in its launch
-        (``RMSNorm``'s ``feeds`` protocol; ``norm_shrink``, opt-in): the norm's result, or None where this
+        (``RMSNorm``'s ``feeds`` protocol; ``norm_shrink``, on by default): the norm's result, or None where this
         step's LoRA would not take the fused decode path (the norm then runs alone). The shrink is kept
         for the call of this layer whose x is the norm's output (``take_shrunk``)."""
         self._shrunk_input = None
