@@ -45,6 +45,8 @@ class ForwardContext:
     lora: LoRAMapping | None = None
     extra: dict[str, Any] | None = None
     cuda_graph: bool = False  # a decode graph's forward (its warm-up run and its capture alike)
+    # (an output, the LoRA delta its projection left to that output's reader): defer_delta / take_deferred_delta
+    deferred_delta: tuple[torch.Tensor, Any] | None = None
 
 
 _CURRENT: ForwardContext | None = None
@@ -58,6 +60,7 @@ def forward_context(attn: AttentionMetadata | None = None, lora: LoRAMapping | N
     _CURRENT = ForwardContext(attn=attn, lora=lora, cuda_graph=cuda_graph)
     try:
         yield _CURRENT
+        check_no_deferred_delta()
     finally:
         _CURRENT = None
 
@@ -74,3 +77,33 @@ def get_forward_context_or_none() -> ForwardContext | None:
 
 def current_lora_mapping() -> LoRAMapping | None:
     return None if _CURRENT is None else _CURRENT.lora
+
+
+def defer_delta(y: torch.Tensor, delta: Any) -> None:
+    """Leave ``delta`` (``punica.PendingDelta``) to the next reader of y, which must ``take_deferred_delta(y)``
+    before anything else defers: a projection does this only where its model says what reads its output
+    (``output_feeds_norm``: the RMSNorm after it)."""
+    ctx = get_forward_context()
+    check_no_deferred_delta()
+    ctx.deferred_delta = (y, delta)
+
+
+def take_deferred_delta(x: torch.Tensor) -> Any:
+    """The delta deferred to x's reader (``defer_delta``), if x is that very output (once); else None."""
+    ctx = _CURRENT
+    if ctx is None or ctx.deferred_delta is None or ctx.deferred_delta[0] is not x:
+        return None
+    delta, ctx.deferred_delta = ctx.deferred_delta[1], None
+    return delta
+
+
+def check_no_deferred_delta() -> None:
+    """Raise if a deferred LoRA delta was never taken: an output read by something other than the reader
+    its projection was told of would miss its delta (a wrong model wiring, never silently)."""
+    if _CURRENT is not None and _CURRENT.deferred_delta is not None:
+        y = _CURRENT.deferred_delta[0]
+        _CURRENT.deferred_delta = None
+        raise RuntimeError(
+            f"a LoRA delta deferred to the reader of an output {tuple(y.shape)} was never taken: the module marked "
+            "output_feeds_norm does not feed an RMSNorm here; unmark it (or run with LORASERVE_DEFER_DELTA=0)"
+        )

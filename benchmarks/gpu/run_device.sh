@@ -54,6 +54,8 @@
 #   bash benchmarks/gpu/run_device.sh e2e21     # bench_e2e both shapes without HF: the default (both off), then both on
 #   bash benchmarks/gpu/run_device.sh all21     # the new tests, Qwen-0.5B's trace and bench_e2e (both fused shrinks off, on; session 21 ran it when on was the default), every GPU test
 #   bash benchmarks/gpu/run_device.sh attn21    # o's shrink in attention (second form): its tests, off vs on, bench_e2e Qwen-0.5B, step_trace Llama-8B
+#   bash benchmarks/gpu/run_device.sh defer22   # o's and down's delta in the norm after them, and o's shrink in attention:
+#                                               their tests, bench_e2e Qwen-0.5B per setting, step_trace Qwen-0.5B
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -276,6 +278,21 @@ for stage in "$@"; do
                 name=$(echo "${knobs:-default}" | tr ' =,' '___')
                 echo "### step_trace llama-3.1-8b: ${knobs:-default}" | tee -a "$OUT/step_trace_8b.txt"
                 env $knobs timeout 100 python3 benchmarks/gpu/step_trace.py --shapes llama-3.1-8b --out "/tmp/traces8b_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_8b.txt" | grep "graph replay"
+            done
+            ;;
+        defer22)
+            # o's and down's delta left to the norm after them (row_delta, LORASERVE_DEFER_DELTA=1) and o's shrink in
+            # attention (second form, LORASERVE_ATTN_SHRINK=1): their tests, then bench_e2e Qwen-0.5B for each
+            # setting and step_trace's Qwen-0.5B timeline for the default and the deferred delta
+            timeout 200 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 4 tests/gpu/test_row_delta.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py 2>&1 | tail -8 | tee "$OUT/new_tests.txt"
+            for knobs in "" "LORASERVE_DEFER_DELTA=1" "LORASERVE_ATTN_SHRINK=1" "LORASERVE_DEFER_DELTA=1 LORASERVE_ATTN_SHRINK=1"; do
+                name=$(echo "${knobs:-default}" | tr ' =,' '___')
+                env $knobs timeout 90 python3 benchmarks/gpu/bench_e2e.py --shapes qwen2.5-0.5b --skip-hf --json "$OUT/e2e_$name.json" 2>&1 | tee "$OUT/e2e_$name.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
+            done
+            for knobs in "" "LORASERVE_DEFER_DELTA=1"; do
+                name=$(echo "${knobs:-default}" | tr ' =,' '___')
+                echo "### step_trace qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/step_trace_qwen.txt"
+                env $knobs timeout 90 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "/tmp/tracesq_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_qwen.txt" | grep "graph replay"
             done
             ;;
         trace8b21)

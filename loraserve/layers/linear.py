@@ -176,6 +176,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Y = X A^T with A split by input columns; partial outputs are all-reduced, the bias added once after."""
 
+    # set by a model whose RMSNorm reads this layer's output directly (its residual add): a LoRA'd wrapper may
+    # then leave its delta to that norm (lora/ops/triton/row_delta.py; forward_context.defer_delta)
+    output_feeds_norm = False
+
     def __init__(
         self,
         input_size: int,

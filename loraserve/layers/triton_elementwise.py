@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraserve.lora.ops.triton import row_delta
+from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of_row
 from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, tl_dtype
 
 
@@ -71,13 +73,26 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: t
 def _fused_add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_x, stride_r, stride_o, stride_ro, N, eps, BLOCK: tl.constexpr,
     PDL_CHAIN: tl.constexpr,
+    # x's pending LoRA delta (row_delta: the row-parallel projection that wrote x left it to this launch)
+    d_buf_ptr, d_b_ptr, d_slots_ptr, stride_dbs, stride_dsp, stride_dsm, D_P, D_R, HAS_DELTA: tl.constexpr,
+    D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr,
 ):
-    if PDL_CHAIN:  # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait
-        pdl_link(True)
+    # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait, but for the
+    # pending delta's B and slot (weights and the mapping, written before the forward)
+    if PDL_CHAIN:
+        pdl_link(not HAS_DELTA)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        slot, bt = delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK_R)
+        if PDL_CHAIN:
+            tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_DELTA:  # PEFT's order: the base output rounded, plus the delta in fp32, rounded once more
+        d = delta_of_row(bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
+        x = (x.to(tl.float32) + d).to(x_ptr.dtype.element_ty)
+    x = x.to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(r_out_ptr.dtype.element_ty)  # torch's x + residual: fp32 add, one rounding
     tl.store(r_out_ptr + row * stride_ro + offs, h, mask=mask)
@@ -86,12 +101,14 @@ def _fused_add_rms_norm_kernel(
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual) over the last dim, in one launch; both new tensors.
 
     x and residual: the same shape and dtype (any leading shape). The sum is bit-equal to torch's
     ``x + residual``; the norm output equals ``rms_norm`` of that sum (dtype: that of weight * x).
+    ``delta``: x's pending LoRA delta (a ``punica.PendingDelta``, ``row_delta.supports`` it; x (T, N)),
+    added to x first (``row_delta``'s numbers: x + delta rounded, then the above).
     """
     N = x.shape[-1]
     assert residual.shape == x.shape and residual.dtype == x.dtype, (
@@ -112,6 +129,7 @@ def fused_add_rms_norm(
         _fused_add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), N, eps,
             BLOCK=block, PDL_CHAIN=chain, num_warps=min(16, max(1, block // 256)), launch_pdl=chain,
+            **row_delta.kernel_args(delta, x2),
         )  # fmt: skip
     return out.view(x.shape), r_out.view(x.shape)
 

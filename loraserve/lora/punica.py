@@ -19,6 +19,7 @@ import torch
 
 from loraserve.forward_context import current_lora_mapping
 from loraserve.lora.ops import torch_ops
+from loraserve.lora.ops.precision import compute_dtype
 
 
 def _segments(
@@ -145,6 +146,27 @@ class FusedShrink(NamedTuple):
     token_slots: torch.Tensor
 
 
+class PendingDelta(NamedTuple):
+    """A row-parallel projection's LoRA delta left to the RMSNorm that reads its output (``row_delta``):
+    the shrink of its input (buf (P, 1, T, R) fp32, every column of a LoRA token's row written, P planes
+    to sum), its B stack (S, 1, N, R) and each token's slot (-1 = base). The projection's output is the
+    base product only; whoever reads it adds ``B[slot] s`` first (``add_to``)."""
+
+    buf: torch.Tensor
+    lora_b: torch.Tensor
+    token_slots: torch.Tensor
+
+    def add_to(self, y: torch.Tensor) -> torch.Tensor:
+        """y + the delta, rounded once to y's dtype (a new tensor): what a reader without the fused kernel
+        does (the torch path, ``row_delta``'s numbers in torch's order of the sum over r)."""
+        s = self.buf.sum(0)[0]  # (T, R) fp32, the planes summed in order
+        slots = self.token_slots.long()
+        cdt = compute_dtype(y.dtype, self.lora_b.dtype)
+        b = self.lora_b[slots.clamp(min=0), 0].to(cdt).float()  # (T, N, R)
+        s = torch.where((slots >= 0)[:, None], s, 0.0).to(cdt).float()
+        return (y.float() + torch.einsum("tnr,tr->tn", b, s)).to(y.dtype)
+
+
 class PunicaWrapper:
     def __init__(self, max_loras: int, device: torch.device):
         self.max_loras = max_loras
@@ -160,6 +182,11 @@ class PunicaWrapper:
         """Whether ``norm_shrink`` can run at all (its kernel, on unless LORASERVE_NORM_SHRINK=0): asked first, so
         that the norms of a step that cannot take it cost no more than the attribute lookup."""
         return self.fuses_linear and self.kernels.fuses_norm
+
+    @property
+    def defers_delta(self) -> bool:
+        """Whether ``linear_deferring_delta`` can run at all (``row_delta``, LORASERVE_DEFER_DELTA=1): asked first."""
+        return self.fuses_linear and self.kernels.defers_delta
 
     @staticmethod
     def mapping() -> LoRAMapping | None:
@@ -276,16 +303,36 @@ class PunicaWrapper:
         lora_b_stacked: tuple[torch.Tensor, ...],
         ranks: list[int],
         weight: torch.Tensor,
+        delta: PendingDelta | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
         """RMSNorm of x (after the residual add) and the shrink of its output, in one launch, where the
         layer's ``linear_with_lora`` (GEMM ``weight``) would take that shrink: (out, residual', shrunk);
-        else None (``TritonLoRAOps.norm_shrink``)."""
+        else None (``TritonLoRAOps.norm_shrink``). ``delta``: x's pending delta, added to x first."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.norm_shrink(
             x, residual, norm_weight, eps, lora_a_stacked, lora_b_stacked, ranks, weight, mapping.token_meta,
-            mapping.token_slots,
+            mapping.token_slots, delta=delta,
+        )
+
+    def linear_deferring_delta(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        ranks: list[int],
+        shrunk: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, PendingDelta] | None:
+        """(x W^T + b, the LoRA delta left to the output's reader) where a kernel path does that
+        (``TritonLoRAOps.linear_deferring_delta``: a one-slice product at decode sizes); else None."""
+        if not self.fuses_linear:
+            return None
+        mapping = self.mapping()
+        return self.kernels.linear_deferring_delta(
+            x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots, shrunk
         )
 
     def add_lora_embedding(

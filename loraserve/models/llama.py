@@ -94,6 +94,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Llama's o_proj and down return their output as is, and it goes straight into the next norm (the
+        # post-attention one; the next layer's input norm, or the model's final one): a LoRA'd one may leave
+        # its delta to that norm (row_delta). Other modules' (MoE blocks, Olmoe's attention) are not marked.
+        if type(self.self_attn) is LlamaAttention:
+            self.self_attn.o_proj.output_feeds_norm = True
+        if type(self.mlp) is LlamaMLP:
+            self.mlp.down_proj.output_feeds_norm = True
 
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None

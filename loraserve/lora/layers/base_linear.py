@@ -167,17 +167,19 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
                 return y
         return self.apply_lora(linear(x, weight, bias), x)
 
-    def fuse_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    def fuse_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, delta=None):
         """The RMSNorm whose output is this layer's input, run with this layer's LoRA shrink in its launch
         (``RMSNorm``'s ``feeds`` protocol; ``norm_shrink``, on by default): the norm's result, or None where this
         step's LoRA would not take the fused decode path (the norm then runs alone). The shrink is kept
-        for the call of this layer whose x is the norm's output (``take_shrunk``)."""
+        for the call of this layer whose x is the norm's output (``take_shrunk``). ``delta``: x's pending
+        LoRA delta (``punica.PendingDelta``), added to x first in the same launch."""
         self._shrunk_input = None
         pw = self.punica_wrapper
         if pw is None or not pw.fuses_norm or not self._fusable():
             return None
         fused = pw.norm_shrink(
-            x, residual, weight, eps, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.base_layer.weight
+            x, residual, weight, eps, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.base_layer.weight,
+            delta=delta,
         )  # fmt: skip
         if fused is None:
             return None

@@ -16,11 +16,11 @@ from collections.abc import Callable
 import torch
 
 from loraserve.layers import triton_decode_linear as decode
-from loraserve.lora.ops.triton import gated_lora, lora_prefill, norm_shrink
+from loraserve.lora.ops.triton import gated_lora, lora_prefill, norm_shrink, row_delta
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
-from loraserve.lora.punica import FusedShrink, SegmentMeta
+from loraserve.lora.punica import FusedShrink, PendingDelta, SegmentMeta
 
 
 class TritonLoRAOps:
@@ -41,6 +41,11 @@ class TritonLoRAOps:
     def fuses_norm(self) -> bool:
         """Whether the decoder's norms may compute the shrink of the projection they feed (``norm_shrink``)."""
         return norm_shrink.ENABLED
+
+    @property
+    def defers_delta(self) -> bool:
+        """Whether a row-parallel projection may leave its delta to the norm after it (``row_delta``)."""
+        return row_delta.ENABLED
 
     def ranks_tensor(self, ranks: list[int]) -> torch.Tensor:
         """The device copy of a layer's per-slot ranks, refreshed in place when the list changed."""
@@ -158,10 +163,12 @@ class TritonLoRAOps:
         weight: torch.Tensor,
         meta: SegmentMeta,
         token_slots: torch.Tensor,
+        delta: PendingDelta | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
         """(RMSNorm(x + residual), x + residual, the output's shrink) in one launch (``norm_shrink``), where
         it is on (the default; LORASERVE_NORM_SHRINK=0 turns it off), the kernel supports the shapes, some
-        slot has a rank, and ``linear_with_lora`` of the output with this GEMM ``weight`` takes the decode path; else None."""
+        slot has a rank, and ``linear_with_lora`` of the output with this GEMM ``weight`` takes the decode path; else None.
+        ``delta``: x's pending delta (``row_delta``), added to x first in the same launch."""
         if not self.fuses_norm or x.dim() != 2 or not norm_shrink.supports(x, lora_a_stacked):
             return None
         if torch.promote_types(norm_weight.dtype, x.dtype) != x.dtype:
@@ -170,7 +177,32 @@ class TritonLoRAOps:
             return None
         if _max_rank(lora_a_stacked, ranks, meta) == 0:
             return None  # nothing to add: linear_with_lora runs the plain GEMM
-        return norm_shrink.norm_shrink(x, residual, norm_weight, eps, lora_a_stacked, token_slots, self.ranks_tensor(ranks))
+        return norm_shrink.norm_shrink(
+            x, residual, norm_weight, eps, lora_a_stacked, token_slots, self.ranks_tensor(ranks), delta=delta
+        )
+
+    def linear_deferring_delta(
+        self, x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, meta, token_slots, shrunk=None
+    ) -> tuple[torch.Tensor, PendingDelta] | None:
+        """(x W^T + b, the delta left to its reader): the shrink (or ``shrunk``, x's shrink computed by the
+        launch that wrote x), then the plain decode GEMM as the shrink's PDL dependent (``after_shrink``:
+        it streams W while the shrink runs; its completion implies the shrink's, so its reader, a link of
+        the PDL chain, finds buf written). Where ``row_delta`` is on (LORASERVE_DEFER_DELTA=1), one slice,
+        ``row_delta.supports`` B, some slot has a rank and the decode GEMM applies; else None."""
+        if not row_delta.ENABLED or len(lora_b_stacked) != 1 or not row_delta.supports(x.dtype, lora_b_stacked[0]):
+            return None
+        tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
+        if tiles is None:
+            return None
+        if shrunk is not None:
+            buf, pdl = shrunk, False
+        else:
+            own = self._decode_shrink(x, lora_a_stacked, ranks, meta)
+            if own is None:
+                return None
+            buf, pdl = own
+        y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
+        return y, PendingDelta(buf, lora_b_stacked[0], token_slots)
 
     def fused_shrink(self, x_like, lora_a_stacked, lora_b_stacked, ranks, weight, meta, token_slots) -> FusedShrink | None:
         """``PunicaWrapper.fused_shrink``: a one-slice layer whose product of an x like x_like takes the decode

@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 
 from loraserve.layers.triton_elementwise import rms_norm_row
+from loraserve.lora.ops.triton import row_delta
+from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of_row
 from loraserve.lora.ops.triton.utils import pdl_chain, slice_ptr, tl_dtype
 
 # The decode step's norms compute the shrink of the LoRA'd projection they feed; LORASERVE_NORM_SHRINK=0: the
@@ -59,6 +61,9 @@ def _norm_shrink_kernel(
     stride_x, stride_r, stride_o, stride_ro, stride_as, stride_ar, stride_bi, stride_bm, N, R, eps,
     HAS_RESIDUAL: tl.constexpr, NUM_RBLOCKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
     PDL_CHAIN: tl.constexpr,
+    # x's pending LoRA delta (row_delta: the row-parallel projection that wrote x left it to this launch)
+    d_buf_ptr, d_b_ptr, d_slots_ptr, stride_dbs, stride_dsp, stride_dsm, D_P, D_R, HAS_DELTA: tl.constexpr,
+    D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -75,9 +80,14 @@ def _norm_shrink_kernel(
     a_ptrs = slice_ptr(sl, a0_ptr, a1_ptr, a2_ptr) + tl.maximum(slot, 0).to(tl.int64) * stride_as
     a_ptrs = a_ptrs + offs_r[:, None] * stride_ar + offs[None, :]
     a = tl.load(a_ptrs, mask=(offs_r < rank)[:, None] & mask[None, :], other=0.0)
+    if HAS_DELTA:  # every program of the row adds it (a few KB of B each: cheaper than a round trip between them)
+        d_slot, bt = delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK_R)
     if PDL_CHAIN:
         tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_DELTA:  # PEFT's order: the base output rounded, plus the delta in fp32, rounded once more
+        d = delta_of_row(bt, d_slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
+        x = (x.to(tl.float32) + d).to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:  # the fused add: torch's x + residual (fp32 add, one rounding)
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r_out_ptr.dtype.element_ty)
@@ -114,11 +124,13 @@ def norm_shrink(
     lora_a: tuple[torch.Tensor, ...],
     token_slots: torch.Tensor,
     ranks: torch.Tensor,
+    delta=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(out, residual', buf): ``fused_add_rms_norm(x, residual, weight, eps)`` (``rms_norm`` when residual is
     None, residual' None), and buf (1, n_slices, T, R) fp32 = out @ A_i[slot]^T per token with a slot
     (``lora_shrink(..., zero_fill=True)``'s output: every column r < R written, zeros past the slot's rank;
-    rows of base tokens unwritten). x: (T, K); token_slots: (T,) int, -1 = base; ranks: int32 per slot."""
+    rows of base tokens unwritten). x: (T, K); token_slots: (T,) int, -1 = base; ranks: int32 per slot.
+    ``delta``: x's pending LoRA delta (a ``punica.PendingDelta``), added to x first (``row_delta``)."""
     assert supports(x, lora_a), "norm_shrink: half-precision x and A, K <= MAX_HIDDEN (check supports())"
     T, K = x.shape
     assert weight.shape == (K,), f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}"
@@ -144,6 +156,6 @@ def norm_shrink(
             x.stride(0), res.stride(0), out.stride(0), r_out.stride(0), a0.stride(0), a0.stride(2),
             buf.stride(1), buf.stride(2), K, R, eps,
             HAS_RESIDUAL=residual is not None, NUM_RBLOCKS=n_rblocks, BLOCK=block, BLOCK_R=BLOCK_R,
-            PDL_CHAIN=chain, num_warps=num_warps(block), launch_pdl=chain,
+            PDL_CHAIN=chain, num_warps=num_warps(block), launch_pdl=chain, **row_delta.kernel_args(delta, x),
         )  # fmt: skip
     return out, (r_out if residual is not None else None), buf

@@ -1,0 +1,102 @@
+"""A row-parallel projection's LoRA delta, added by the RMSNorm that reads the projection's output: what a
+decode step's o_proj and down can do on the GPU when their output goes straight into the residual add and
+norm after them (Llama's decoder: o -> post-attention norm, down -> the next layer's input norm, or the
+model's final norm). Opt-in while unmeasured on a GPU: ``LORASERVE_DEFER_DELTA=1``.
+
+    x'[t] = round(x[t] + sum_r B[slot(t), :, r] * s[t, r])        (x: the projection's base output)
+
+then the norm's own numbers on x' (``fused_add_rms_norm``, or ``norm_shrink`` with the next projection's
+shrink). s is the projection's shrink (fp32, its split planes summed in order here), rounded to the
+products' dtype (``compute_dtype_of``: the reference's intermediate); the products and their sum over r
+are fp32 (exact products for half-precision B; the reference's order of the sum over r differs, an fp32
+rounding of the delta, far under the bf16 rounding of x' it is added to). PEFT's order: the base output
+rounded, the delta added in fp32, one more rounding (``x + lora_B(lora_A(x)) * s``), then the residual add.
+
+Why: at decode sizes on a small model every step is latency. With the delta in the GEMM's epilogue the
+GEMM waits for its shrink after its K loop and pays the epilogue's round trips (loading s, then its MMA)
+that nothing hides (session 20's trace, Qwen2.5-0.5B: 1-2 µs an op). Deferred, the GEMM runs as the
+shrink's dependent with no epilogue (``decode_linear(after_shrink=True)``: it streams W while the shrink
+runs, as gate/up's GEMM does for ``gated_lora``), and the norm, a link of the PDL chain launched while
+the GEMM runs, loads its token's B (weights, and the slot: the mapping, written before the forward)
+before its wait; after it only s's few floats are new.
+
+Layout: the norm's program owns one row (token); its B tile (BLOCK_R, BLOCK) sits in registers beside
+the row, so hidden sizes up to ``MAX_HIDDEN`` (a 2048 row of 16 ranks: 32K halves over the norm's 8
+warps, 64 registers a thread).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from loraserve.lora.ops.triton.utils import compute_dtype_of, sum_planes, tl_dtype
+
+# The row-parallel projections before a norm leave their delta to it; LORASERVE_DEFER_DELTA=1 turns it on (opt-in
+# until a GPU measures it against the epilogue: run_device.sh defer22)
+ENABLED = os.environ.get("LORASERVE_DEFER_DELTA", "0") == "1"
+MAX_HIDDEN = 2048  # the projection's output size (the norm's row): B's tile of a token lives in registers
+MAX_RANK = 64
+
+
+def supports(act_dtype: torch.dtype, lora_b: torch.Tensor) -> bool:
+    """Whether a norm's launch can add the delta of this B stack (S, 1, N, R) to an output (T, N) of
+    ``act_dtype``: half-precision activations and B, B contiguous per slot, N up to MAX_HIDDEN, R up to MAX_RANK."""
+    S, one, N, R = lora_b.shape
+    return (
+        one == 1
+        and N <= MAX_HIDDEN
+        and R <= MAX_RANK
+        and act_dtype in (torch.float16, torch.bfloat16)
+        and lora_b.dtype in (torch.float16, torch.bfloat16)
+        and lora_b.stride()[1:] == (N * R, R, 1)
+    )
+
+
+def kernel_args(delta, x: torch.Tensor) -> dict:
+    """The keyword arguments of a norm kernel's delta operands (``delta_b_tile`` / ``delta_of_row``) for
+    ``delta`` (a ``punica.PendingDelta`` of x, or None: HAS_DELTA off, placeholders)."""
+    if delta is None:
+        return dict(d_buf_ptr=x, d_b_ptr=x, d_slots_ptr=x, stride_dbs=0, stride_dsp=0, stride_dsm=0, D_P=1, D_R=1,
+                    HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)  # fmt: skip
+    buf, b = delta.buf, delta.lora_b
+    P, one, T, R = buf.shape
+    assert one == 1 and T == x.shape[0] and buf.dtype == torch.float32 and buf.stride(3) == 1, (
+        f"the pending delta's shrink {tuple(buf.shape)} {buf.dtype} does not fit x {tuple(x.shape)}: want (P, 1, T, R) fp32"
+    )
+    assert supports(x.dtype, b) and b.shape[2:] == (x.shape[1], R), (
+        f"B {tuple(b.shape)} {b.dtype} does not fit x {tuple(x.shape)} {x.dtype} (supports())"
+    )
+    assert delta.token_slots.shape == (T,), f"token_slots {tuple(delta.token_slots.shape)} does not fit {T} tokens"
+    return dict(
+        d_buf_ptr=buf, d_b_ptr=b, d_slots_ptr=delta.token_slots, stride_dbs=b.stride(0), stride_dsp=buf.stride(0),
+        stride_dsm=buf.stride(2), D_P=P, D_R=R, HAS_DELTA=True, D_BLOCK_R=max(16, triton.next_power_of_2(R)),
+        D_RED=min(triton.next_power_of_2(P), 16), D_CDT=tl_dtype(compute_dtype_of(x.dtype, b.dtype)),
+    )  # fmt: skip
+
+
+@triton.jit
+def delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK_R: tl.constexpr):
+    """(slot of the row, B[slot]^T as a (D_BLOCK_R, BLOCK) tile): zeros past R and for a base token (slot
+    -1). Weights and the mapping: a PDL link loads them before its wait."""
+    slot = tl.load(d_slots_ptr + row).to(tl.int32)
+    offs_r = tl.arange(0, D_BLOCK_R)
+    ptrs = d_b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_dbs + offs[None, :] * D_R + offs_r[:, None]
+    b = tl.load(ptrs, mask=(offs_r < D_R)[:, None] & mask[None, :] & (slot >= 0), other=0.0)
+    return slot, b
+
+
+@triton.jit
+def delta_of_row(bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R: tl.constexpr,
+              D_RED: tl.constexpr, D_CDT: tl.constexpr):  # fmt: skip
+    """The row's delta (BLOCK,) fp32: B[slot] s[row], s the sum of the shrink's D_P planes (fp32, in plane
+    order) rounded to the products' dtype D_CDT; zero for a base token, whose s row is never read (the
+    shrink leaves it unwritten)."""
+    offs_r = tl.arange(0, D_BLOCK_R)
+    s_mask = (offs_r < D_R) & (slot >= 0)
+    s = sum_planes(d_buf_ptr + row * stride_dsm + offs_r, s_mask, D_P, stride_dsp, D_RED, False)
+    s = s.to(D_CDT).to(tl.float32)
+    return tl.sum(bt.to(tl.float32) * s[:, None], axis=0)

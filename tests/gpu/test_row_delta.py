@@ -1,0 +1,217 @@
+"""row_delta: a row-parallel projection's LoRA delta left to the RMSNorm that reads its output, on random data.
+
+- ``fused_add_rms_norm`` / ``norm_shrink`` given x's pending delta give what they give on x + delta computed
+  in float64 and rounded (PEFT's order), to within a rounding of x's dtype on a few elements (the delta's
+  fp32 sum over ranks in another order); base tokens' rows, whose shrink rows hold NaN, are the no-delta
+  outputs bit for bit; the shrink's split planes are summed;
+- ``PendingDelta.add_to`` (the torch path of a reader without the kernel) gives the same numbers;
+- ``TritonLoRAOps.linear_deferring_delta`` returns the base GEMM's output and a delta that, added, gives the
+  fused path's output; off unless LORASERVE_DEFER_DELTA;
+- a tiny LoRA'd Llama with it on: o's and down's GEMMs run without their epilogue, every norm after them
+  takes their delta, and the logits equal those of the epilogue path.
+
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (fp16 there: the interpreter has no bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.test_decode_linear import lora_stacks, rel_err
+from tests.gpu.test_norm_shrink import HALF, _lora_model, _run_lora_steps, mapping_of
+from tests.gpu.triton_device import triton_device
+
+DEV = triton_device()
+
+from loraserve.layers import triton_elementwise as tew  # noqa: E402
+from loraserve.lora.ops.precision import compute_dtype  # noqa: E402
+from loraserve.lora.ops.triton import norm_shrink as ns  # noqa: E402
+from loraserve.lora.ops.triton import row_delta  # noqa: E402
+from loraserve.lora.ops.triton_ops import TritonLoRAOps  # noqa: E402
+from loraserve.lora.punica import PendingDelta  # noqa: E402
+
+CASES = [
+    # T, N, S, R, planes
+    (32, 896, 8, 16, 1),  # Qwen2.5-0.5B's hidden size: a row block of 1024
+    (5, 256, 3, 32, 3),  # the shrink's split planes, summed here
+    (9, 576, 5, 8, 2),  # SmolLM2-135M's hidden size; a rank under the 16-wide tile
+    (3, 2048, 3, 16, 1),  # MAX_HIDDEN
+]
+
+
+def random_delta(T, N, S, R, planes, xdt, bdt, seed):
+    """(x, residual, norm weight, PendingDelta, slots, ranks): slots round-robin with base tokens, a slot of
+    rank 0 (B zero), NaN in the shrink's rows of base tokens (never read) and zeros past each slot's rank."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(1, R + 1, (S,), generator=g).tolist()
+    ranks[0] = R
+    if S > 2:
+        ranks[1] = 0
+    slots = [-1 if t % 4 == 3 else t % S for t in range(T)]
+    x = torch.randn(T, N, generator=g).to(DEV, xdt)
+    res = torch.randn(T, N, generator=g).to(DEV, xdt)
+    w = (1 + 0.3 * torch.randn(N, generator=g)).to(DEV, xdt)
+    _, (b,) = lora_stacks(g, S, R, 16, (N,), ranks, bdt)
+    b = b * 20  # deltas of order 1: every output moves
+    buf = torch.randn(planes, 1, T, R, generator=g)
+    for t, s in enumerate(slots):
+        if s < 0:
+            buf[:, 0, t] = float("nan")
+        else:
+            buf[:, 0, t, ranks[s]:] = 0.0
+    mapping, _ = mapping_of(slots)
+    return x, res, w, PendingDelta(buf.to(DEV), b, mapping.token_slots), slots, ranks
+
+
+def x_plus_delta(x: torch.Tensor, delta: PendingDelta, slots: list[int]) -> torch.Tensor:
+    """x + B[slot] s in float64 (s the planes' fp32 sum in order, rounded to the products' dtype), rounded to x's dtype."""
+    cdt = compute_dtype(x.dtype, delta.lora_b.dtype)
+    out = x.double().cpu()
+    for t, s in enumerate(slots):
+        if s < 0:
+            continue
+        st = delta.buf[0, 0, t].cpu()
+        for p in range(1, delta.buf.shape[0]):
+            st = st + delta.buf[p, 0, t].cpu()
+        st = st.to(cdt).double()
+        out[t] += delta.lora_b[s, 0].cpu().double() @ st
+    return out.to(x.dtype).to(DEV)
+
+
+def assert_within_a_rounding(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, what: str) -> None:
+    """Equal but for a few elements a rounding or two apart at ``scale`` (x + delta's magnitude: an fp32 sum's
+    order moved a tie there, and the residual add may cancel what it is added to)."""
+    diff = (got.float() - want.float()).abs()
+    ulp = torch.finfo(got.dtype).eps * scale.float().abs()
+    assert (diff <= 2 * ulp).all(), f"{what}: off by {(diff / ulp.clamp(min=1e-30)).max().item():.1f} roundings"
+    assert (diff > 0).float().mean() < 0.02, f"{what}: {(diff > 0).float().mean().item():.3f} of the elements differ"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-N{c[1]}-S{c[2]}-R{c[3]}-P{c[4]}")
+@pytest.mark.parametrize("dtypes", [(x, b) for x in HALF for b in HALF], ids=lambda d: f"{d[0]}-B{d[1]}"[6:])
+def test_fused_add_rms_norm_adds_the_pending_delta(case, dtypes):
+    T, N, S, R, planes = case
+    x, res, w, delta, slots, ranks = random_delta(T, N, S, R, planes, *dtypes, seed=T + N + planes)
+    out, new_res = tew.fused_add_rms_norm(x, res, w, 1e-6, delta=delta)
+    xd = x_plus_delta(x, delta, slots)
+    _, want_res = tew.fused_add_rms_norm(xd, res, w, 1e-6)
+    assert_within_a_rounding(new_res, want_res, xd.abs() + res.abs(), "x + delta + residual")
+    assert torch.equal(out, tew.rms_norm(new_res, w, 1e-6)), "the norm of that sum, the norm kernel's bits"
+    plain_out, plain_res = tew.fused_add_rms_norm(x, res, w, 1e-6)
+    moved = [t for t, s in enumerate(slots) if s >= 0 and ranks[s] > 0]
+    still = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
+    assert not torch.equal(new_res[moved], plain_res[moved]), "the delta was added"
+    assert torch.equal(new_res[still], plain_res[still]) and torch.equal(out[still], plain_out[still]), (
+        "base tokens and a rank-0 slot: the plain norm's bits (their shrink rows of NaN unread)"
+    )
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"T{c[0]}-N{c[1]}-S{c[2]}-R{c[3]}-P{c[4]}")
+def test_norm_shrink_adds_the_pending_delta(case):
+    T, N, S, R, planes = case
+    x, res, w, delta, slots, _ = random_delta(T, N, S, R, planes, torch.float16, torch.float16, seed=5 + T)
+    g = torch.Generator().manual_seed(11)
+    a_ranks = [16] * S
+    As, _ = lora_stacks(g, S, 16, N, (64, 64), a_ranks, torch.float16)
+    rank_dev = torch.tensor(a_ranks, dtype=torch.int32, device=DEV)
+    out, new_res, buf = ns.norm_shrink(x, res, w, 1e-6, As, delta.token_slots, rank_dev, delta=delta)
+    xd = x_plus_delta(x, delta, slots)
+    _, want_res, want_buf = ns.norm_shrink(xd, res, w, 1e-6, As, delta.token_slots, rank_dev)
+    assert_within_a_rounding(new_res, want_res, xd.abs() + res.abs(), "x + delta + residual")
+    assert torch.equal(out, tew.rms_norm(new_res, w, 1e-6)), "the norm of that sum, the norm kernel's bits"
+    lora_rows = [t for t, s in enumerate(slots) if s >= 0]
+    assert rel_err(buf[:, :, lora_rows], want_buf[:, :, lora_rows]) < 1e-2, "the shrink of the norm's output"
+
+
+@pytest.mark.parametrize("bdt", HALF)
+def test_add_to_is_the_kernels_numbers_in_torch(bdt):
+    x, _, _, delta, slots, _ = random_delta(9, 256, 4, 16, 2, torch.float16, bdt, seed=3)
+    xd = x_plus_delta(x, delta, slots)
+    assert_within_a_rounding(delta.add_to(x), xd, xd, "add_to")
+
+
+def test_supports_refuses_what_it_cannot_add():
+    b = torch.zeros(4, 1, 896, 16, dtype=torch.float16, device=DEV)
+    assert row_delta.supports(torch.bfloat16, b) and row_delta.supports(torch.float16, b)
+    assert not row_delta.supports(torch.float32, b), "fp32 activations"
+    assert not row_delta.supports(torch.float16, b.float()), "fp32 B: the epilogue takes it"
+    wide = torch.zeros(2, 1, 2 * row_delta.MAX_HIDDEN, 16, dtype=torch.float16, device=DEV)
+    assert not row_delta.supports(torch.float16, wide), "a row past MAX_HIDDEN: B's tile would not fit registers"
+    assert not row_delta.supports(torch.float16, b.transpose(2, 3).contiguous().transpose(2, 3)), "B not (N, R) per slot"
+
+
+def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch):
+    T, K, N, S, R = 12, 256, 128, 4, 16
+    g = torch.Generator().manual_seed(4)
+    ranks = [16, 8, 0, 4]
+    As, Bs = lora_stacks(g, S, R, K, (N,), ranks, torch.float16)
+    x = torch.randn(T, K, generator=g).to(DEV, torch.float16)
+    weight = (torch.randn(N, K, generator=g) * 0.05).to(DEV, torch.float16)
+    slots = [-1 if t % 5 == 4 else t % S for t in range(T)]
+    mapping, meta = mapping_of(slots)
+    ops = TritonLoRAOps(DEV)
+    args = (x, weight, None, As, Bs, ranks, meta, mapping.token_slots)
+    monkeypatch.setattr(row_delta, "ENABLED", False)
+    assert not ops.defers_delta and ops.linear_deferring_delta(*args) is None, "off unless LORASERVE_DEFER_DELTA=1"
+    monkeypatch.setattr(row_delta, "ENABLED", True)
+    assert ops.defers_delta
+    y, delta = ops.linear_deferring_delta(*args)
+    from loraserve.layers.triton_decode_linear import decode_linear
+
+    assert torch.equal(y, decode_linear(x, weight)), "the output is the base GEMM's"
+    want = ops.linear_with_lora(*args)
+    assert rel_err(delta.add_to(y), want) < 2e-3, "base + the deferred delta = the fused path"
+    assert not torch.equal(delta.add_to(y), y), "the delta is not zero"
+    assert ops.linear_deferring_delta(x, weight, None, As, Bs, [0] * S, meta, mapping.token_slots) is None, "no rank"
+    two = ops.linear_deferring_delta(x, weight, None, As * 2, Bs * 2, ranks, meta, mapping.token_slots)
+    assert two is None, "one slice only (a row-parallel projection)"
+
+
+def test_decoder_norms_add_o_and_downs_deferred_delta(monkeypatch):
+    """A tiny LoRA'd Llama's steps (fp16, prefill, decode and mixed steps of 4-8 tokens; slots of ranks 16/8/4/0
+    and base tokens): with LORASERVE_DEFER_DELTA o's and down's GEMMs run without the epilogue, each norm after
+    them (the post-attention one, the next layer's input norm, the final norm) adds their delta in its launch,
+    with and without the norms' own shrink, and the logits equal those of the epilogue path."""
+    from loraserve import forward_context
+    from loraserve.layers import triton_decode_linear
+
+    model, mapping, fdp = _lora_model(seed=2)
+    fdp.take_gpu_path(monkeypatch)
+    monkeypatch.setattr(row_delta, "ENABLED", False)
+    want = _run_lora_steps(model, mapping, fdp)
+    taken, epilogues = [], []
+    real_args, real_gemm = row_delta.kernel_args, triton_decode_linear.decode_linear
+    monkeypatch.setattr(row_delta, "kernel_args", lambda d, x: taken.append(d is not None) or real_args(d, x))
+    monkeypatch.setattr(triton_decode_linear, "decode_linear",
+                        lambda *a, **k: epilogues.append(k.get("lora") is not None) or real_gemm(*a, **k))  # fmt: skip
+    monkeypatch.setattr(row_delta, "ENABLED", True)
+    n_steps, n_layers = len(fdp.STEPS), 2
+    for norm_shrink_on in (True, False):
+        taken.clear(), epilogues.clear()
+        monkeypatch.setattr(ns, "ENABLED", norm_shrink_on)
+        got = _run_lora_steps(model, mapping, fdp)
+        # per step: each layer's post-attention norm and the next norm (the final one after the last layer)
+        assert taken.count(True) == 2 * n_layers * n_steps, f"o's and down's deltas, each taken by a norm: {taken}"
+        # qkv's GEMM keeps its epilogue; gate/up's adds its delta in SiLU-and-mul; o's and down's have none
+        assert epilogues == [True, False, False, False] * n_layers * n_steps, epilogues
+        for i, (a, b) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")
+    assert forward_context.get_forward_context_or_none() is None
+
+
+def test_a_deferred_delta_nobody_takes_is_an_error():
+    from loraserve.forward_context import defer_delta, forward_context, take_deferred_delta
+
+    y, other = torch.zeros(2, 4), torch.zeros(2, 4)
+    with pytest.raises(RuntimeError, match="never taken"):
+        with forward_context():
+            defer_delta(y, "delta")
+            assert take_deferred_delta(other) is None, "only the output it was deferred to takes it"
+    with forward_context():
+        defer_delta(y, "delta")
+        assert take_deferred_delta(y) == "delta" and take_deferred_delta(y) is None, "taken once"
+    with pytest.raises(RuntimeError, match="never taken"):
+        with forward_context():
+            defer_delta(y, "a")
+            defer_delta(other, "b")  # the first was never taken
