@@ -38,6 +38,10 @@ from loraserve.lora.ops.triton.utils import compute_dtype_of, sum_planes, tl_dty
 # The row-parallel projections before a norm leave their delta to it; LORASERVE_DEFER_DELTA=1 turns it on (opt-in
 # until a GPU measures it against the epilogue: run_device.sh defer22)
 ENABLED = os.environ.get("LORASERVE_DEFER_DELTA", "0") == "1"
+# The order of the two launches before the norm: the GEMM, then the shrink beside it (reads x at once, waits for the
+# GEMM only before ending: decode_linear's before_shrink, lora_shrink's after_gemm); LORASERVE_DEFER_GEMM_FIRST=0:
+# the shrink, then the GEMM as its dependent (after_shrink), the order session 22 first measured
+GEMM_FIRST = os.environ.get("LORASERVE_DEFER_GEMM_FIRST", "1") != "0"
 MAX_HIDDEN = 2048  # the projection's output size (the norm's row): B's tile of a token lives in registers
 MAX_RANK = 64
 
