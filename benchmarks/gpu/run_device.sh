@@ -56,8 +56,8 @@
 #   bash benchmarks/gpu/run_device.sh attn21    # o's shrink in attention (second form): its tests, off vs on, bench_e2e Qwen-0.5B, step_trace Llama-8B
 #   bash benchmarks/gpu/run_device.sh defer22   # o's and down's delta in the norm after them, and o's shrink in attention:
 #                                               their tests, bench_e2e Qwen-0.5B per setting, step_trace Qwen-0.5B
-#   bash benchmarks/gpu/run_device.sh order22   # a deferred delta's launch order, gate/up's shrink beside its GEMM: every GPU test,
-#                                               bench_e2e Qwen-0.5B per setting, step_trace timelines
+#   bash benchmarks/gpu/run_device.sh final22   # every GPU test, bench_e2e Qwen-0.5B with o's/down's delta in the norms off and on,
+#                                               and Llama-8B
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -283,7 +283,7 @@ for stage in "$@"; do
             done
             ;;
         defer22)
-            # o's and down's delta left to the norm after them (row_delta, LORASERVE_DEFER_DELTA=1) and o's shrink in
+            # o's and down's delta left to the norm after them (row_delta, then opt-in: LORASERVE_DEFER_DELTA=1) and o's shrink in
             # attention (second form, LORASERVE_ATTN_SHRINK=1): their tests, then bench_e2e Qwen-0.5B for each
             # setting and step_trace's Qwen-0.5B timeline for the default and the deferred delta
             timeout 200 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 4 tests/gpu/test_row_delta.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py 2>&1 | tail -8 | tee "$OUT/new_tests.txt"
@@ -297,19 +297,16 @@ for stage in "$@"; do
                 env $knobs timeout 90 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "/tmp/tracesq_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_qwen.txt" | grep "graph replay"
             done
             ;;
-        order22)
-            # the order of a deferred delta's launches (GEMM then the shrink beside it, or the shrink then the GEMM), and
-            # gate/up's shrink beside its GEMM instead of in the norm: every GPU test, bench_e2e Qwen-0.5B per setting
-            # (one summary file: few files come back), step_trace's middle-layer timelines to stdout
-            timeout 200 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -4 | tee "$OUT/tests.txt"
-            for knobs in "LORASERVE_DEFER_DELTA=0" "LORASERVE_DEFER_DELTA=1 LORASERVE_DEFER_GEMM_FIRST=0" "LORASERVE_DEFER_DELTA=1 LORASERVE_DEFER_GEMM_FIRST=1" "LORASERVE_DEFER_DELTA=1 LORASERVE_DEFER_GEMM_FIRST=1 LORASERVE_GATED_GEMM_FIRST=1"; do
-                echo "### bench_e2e qwen2.5-0.5b: $knobs" | tee -a "$OUT/e2e.txt"
+        final22)
+            # the default with o's and down's delta in the norms (row_delta, on since session 22): every GPU test, then
+            # bench_e2e Qwen-0.5B off (LORASERVE_DEFER_DELTA=0) and on, and Llama-8B (which row_delta does not take)
+            timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | grep "passed\|failed\|FAILED\|Error" | tail -12 | tee "$OUT/tests.txt"
+            for knobs in "LORASERVE_DEFER_DELTA=0" ""; do
+                echo "### bench_e2e qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/e2e.txt"
                 env $knobs timeout 90 python3 benchmarks/gpu/bench_e2e.py --shapes qwen2.5-0.5b --skip-hf 2>&1 | grep "^| qwen\|replay\|parity max\|greedy ids" | tee -a "$OUT/e2e.txt"
             done
-            for knobs in "LORASERVE_DEFER_DELTA=1 LORASERVE_DEFER_GEMM_FIRST=1" "LORASERVE_DEFER_DELTA=1 LORASERVE_DEFER_GEMM_FIRST=1 LORASERVE_GATED_GEMM_FIRST=1"; do
-                echo "### step_trace qwen2.5-0.5b: $knobs" | tee -a "$OUT/step_trace.txt"
-                env $knobs timeout 90 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "/tmp/tr_$RANDOM" 2>&1 | grep -v "Warn\|warn" | sed -n '/8 adapters (bucket/,/graph replay/p' | tee -a "$OUT/step_trace.txt"
-            done
+            echo "### bench_e2e llama-3.1-8b: default" | tee -a "$OUT/e2e.txt"
+            timeout 150 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf 2>&1 | grep "^| llama\|replay\|parity max\|greedy ids" | tee -a "$OUT/e2e.txt"
             ;;
         trace8b21)
             for knobs in "" "LORASERVE_ATTN_SHRINK=1"; do

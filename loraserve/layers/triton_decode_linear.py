@@ -378,18 +378,13 @@ def _decode_linear_kernel(
     USE_PDL: tl.constexpr,
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
     WAIT_FIRST: tl.constexpr,  # (PDL_CHAIN) wait for the kernel before us before reading x
-    TRIGGER_LATE: tl.constexpr,  # (PDL_CHAIN, WAIT_FIRST) let our dependent launch only after that wait (before_shrink)
     PF_AHEAD: tl.constexpr,  # (HAS_LORA) K steps before the loop's end at which B is pulled into L2 (0: never)
     PF_SLOTS: tl.constexpr,  # slots whose B is pulled (a power of 2 >= S)
     PF_LINES: tl.constexpr,  # 128-byte lines of one slot's B for this block's columns (a power of 2)
 ):
     pid = tl.program_id(0)
     if PDL_CHAIN:
-        if TRIGGER_LATE:  # our dependent (a shrink of x) reads x at once: x is complete once we have waited
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        else:
-            pdl_link(WAIT_FIRST)
+        pdl_link(WAIT_FIRST)
     if SPLIT_W == 1:
         pid_n = pid
         k_lo = pid * 0
@@ -492,16 +487,13 @@ def decode_linear(
     lora: ExpandEpilogue | None = None,
     tiles: DecodeTiles | None = None,
     after_shrink: bool = False,
-    before_shrink: bool = False,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ weight (N, K)^T (+ bias) (+ the LoRA delta of ``lora``), in x's dtype.
 
     M <= MAX_TOKENS (a decode step); x and weight bf16/fp16, contiguous along K (``supports`` says which).
     ``after_shrink`` (no ``lora``): launched as the PDL dependent of a ``lora_shrink`` of x whose output
     the next kernel reads (``gated_lora``): x is read at once (the shrink waited for it) and each program
-    waits for the shrink before it ends. ``before_shrink`` (no ``lora``): the next launch is
-    ``lora_shrink(x, ..., after_gemm=True)``, which reads x at once: a link of the PDL chain that lets it
-    launch only after waiting for x (the shrink then runs beside this GEMM and ends after it).
+    waits for the shrink before it ends.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -517,7 +509,6 @@ def decode_linear(
         R=16, NUM_SLICES=1, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, LORA_CDT=tl.float32, LORA_IEEE=False
     )
     assert not (after_shrink and lora is not None), "after_shrink is for a GEMM without the epilogue"
-    assert not (before_shrink and (after_shrink or lora is not None)), "before_shrink: a plain link of the chain"
     pdl = after_shrink and use_pdl(x.device)
     pf = dict(PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1)
     if lora is not None:
@@ -575,8 +566,7 @@ def decode_linear(
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
         # NOTE: as the shrink's dependent (USE_PDL) we may read x at once: the shrink waited for it before
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
-        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, TRIGGER_LATE=chain and before_shrink,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain,
         **pf,
         **lora_consts,

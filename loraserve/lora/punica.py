@@ -185,7 +185,7 @@ class PunicaWrapper:
 
     @property
     def defers_delta(self) -> bool:
-        """Whether ``linear_deferring_delta`` can run at all (``row_delta``, LORASERVE_DEFER_DELTA=1): asked first."""
+        """Whether ``linear_deferring_delta`` can run at all (``row_delta``, on unless LORASERVE_DEFER_DELTA=0): asked first."""
         return self.fuses_linear and self.kernels.defers_delta
 
     @staticmethod

@@ -6,7 +6,7 @@
   outputs bit for bit; the shrink's split planes are summed;
 - ``PendingDelta.add_to`` (the torch path of a reader without the kernel) gives the same numbers;
 - ``TritonLoRAOps.linear_deferring_delta`` returns the base GEMM's output and a delta that, added, gives the
-  fused path's output; off unless LORASERVE_DEFER_DELTA;
+  fused path's output; off with LORASERVE_DEFER_DELTA=0;
 - a tiny LoRA'd Llama with it on: o's and down's GEMMs run without their epilogue, every norm after them
   takes their delta, and the logits equal those of the epilogue path.
 
@@ -25,7 +25,6 @@ from tests.gpu.triton_device import triton_device
 DEV = triton_device()
 
 from loraserve.layers import triton_elementwise as tew  # noqa: E402
-from loraserve.lora.ops import triton_ops as ops_mod  # noqa: E402
 from loraserve.lora.ops.precision import compute_dtype  # noqa: E402
 from loraserve.lora.ops.triton import norm_shrink as ns  # noqa: E402
 from loraserve.lora.ops.triton import row_delta  # noqa: E402
@@ -142,9 +141,7 @@ def test_supports_refuses_what_it_cannot_add():
     assert not row_delta.supports(torch.float16, b.transpose(2, 3).contiguous().transpose(2, 3)), "B not (N, R) per slot"
 
 
-@pytest.mark.parametrize("gemm_first", [True, False], ids=["gemm-then-shrink", "shrink-then-gemm"])
-def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(gemm_first, monkeypatch):
-    monkeypatch.setattr(row_delta, "GEMM_FIRST", gemm_first)
+def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch):
     T, K, N, S, R = 12, 256, 128, 4, 16
     g = torch.Generator().manual_seed(4)
     ranks = [16, 8, 0, 4]
@@ -155,22 +152,14 @@ def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(gemm_first, monke
     mapping, meta = mapping_of(slots)
     ops = TritonLoRAOps(DEV)
     args = (x, weight, None, As, Bs, ranks, meta, mapping.token_slots)
-    launches = []
-    real_gemm, real_shrink = ops_mod.decode.decode_linear, ops_mod.lora_shrink
-    monkeypatch.setattr(ops_mod.decode, "decode_linear", lambda *a, **k: launches.append(("gemm", k)) or real_gemm(*a, **k))
-    monkeypatch.setattr(ops_mod, "lora_shrink", lambda *a, **k: launches.append(("shrink", k)) or real_shrink(*a, **k))
     monkeypatch.setattr(row_delta, "ENABLED", False)
-    assert not ops.defers_delta and ops.linear_deferring_delta(*args) is None, "off unless LORASERVE_DEFER_DELTA=1"
+    assert not ops.defers_delta and ops.linear_deferring_delta(*args) is None, "off with LORASERVE_DEFER_DELTA=0"
     monkeypatch.setattr(row_delta, "ENABLED", True)
     assert ops.defers_delta
-    launches.clear()
     y, delta = ops.linear_deferring_delta(*args)
-    order = [name for name, _ in launches]
-    if gemm_first:  # the GEMM lets the shrink launch once x is complete; the shrink ends after the GEMM
-        assert order == ["gemm", "shrink"] and launches[0][1]["before_shrink"] and launches[1][1]["after_gemm"], launches
-    else:
-        assert order == ["shrink", "gemm"] and not launches[0][1].get("after_gemm"), launches
-    assert torch.equal(y, real_gemm(x, weight)), "the output is the base GEMM's"
+    from loraserve.layers.triton_decode_linear import decode_linear
+
+    assert torch.equal(y, decode_linear(x, weight)), "the output is the base GEMM's"
     want = ops.linear_with_lora(*args)
     assert rel_err(delta.add_to(y), want) < 2e-3, "base + the deferred delta = the fused path"
     assert not torch.equal(delta.add_to(y), y), "the delta is not zero"
@@ -179,10 +168,9 @@ def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(gemm_first, monke
     assert two is None, "one slice only (a row-parallel projection)"
 
 
-@pytest.mark.parametrize("gemm_first", [True, False], ids=["gemm-then-shrink", "shrink-then-gemm"])
-def test_decoder_norms_add_o_and_downs_deferred_delta(gemm_first, monkeypatch):
+def test_decoder_norms_add_o_and_downs_deferred_delta(monkeypatch):
     """A tiny LoRA'd Llama's steps (fp16, prefill, decode and mixed steps of 4-8 tokens; slots of ranks 16/8/4/0
-    and base tokens): with LORASERVE_DEFER_DELTA o's and down's GEMMs run without the epilogue, each norm after
+    and base tokens): with row_delta on (the default) o's and down's GEMMs run without the epilogue, each norm after
     them (the post-attention one, the next layer's input norm, the final norm) adds their delta in its launch,
     with and without the norms' own shrink, and the logits equal those of the epilogue path."""
     from loraserve import forward_context
@@ -190,7 +178,6 @@ def test_decoder_norms_add_o_and_downs_deferred_delta(gemm_first, monkeypatch):
 
     model, mapping, fdp = _lora_model(seed=2)
     fdp.take_gpu_path(monkeypatch)
-    monkeypatch.setattr(row_delta, "GEMM_FIRST", gemm_first)
     monkeypatch.setattr(row_delta, "ENABLED", False)
     want = _run_lora_steps(model, mapping, fdp)
     taken, epilogues = [], []
@@ -228,33 +215,3 @@ def test_a_deferred_delta_nobody_takes_is_an_error():
         with forward_context():
             defer_delta(y, "a")
             defer_delta(other, "b")  # the first was never taken
-
-
-def test_gated_gemm_first_runs_gate_ups_shrink_beside_its_gemm(monkeypatch):
-    """LORASERVE_GATED_GEMM_FIRST: gate/up's norm computes no shrink; gate/up's GEMM lets its shrink launch once x
-    is complete, SiLU-and-mul adds the delta; the logits of a tiny LoRA'd Llama (with o's and down's delta in the
-    norms, and without) equal those of the default path."""
-    from loraserve.lora.ops.triton import gated_lora
-
-    model, mapping, fdp = _lora_model(seed=3)
-    fdp.take_gpu_path(monkeypatch)
-    monkeypatch.setattr(gated_lora, "prefer", lambda N, K: True)
-    want = _run_lora_steps(model, mapping, fdp)
-    norms, launches = [], []
-    real_norm, real_gemm, real_shrink = ns.norm_shrink, ops_mod.decode.decode_linear, ops_mod.lora_shrink
-    monkeypatch.setattr(ns, "norm_shrink", lambda *a, **k: norms.append(len(a[4])) or real_norm(*a, **k))
-    monkeypatch.setattr(ops_mod.decode, "decode_linear",
-                        lambda *a, **k: launches.append(("gemm", k.get("before_shrink", False))) or real_gemm(*a, **k))  # fmt: skip
-    monkeypatch.setattr(ops_mod, "lora_shrink",
-                        lambda *a, **k: launches.append(("shrink", k.get("after_gemm", False))) or real_shrink(*a, **k))  # fmt: skip
-    monkeypatch.setattr(gated_lora, "GEMM_FIRST", True)
-    n_steps, n_layers = len(fdp.STEPS), 2
-    for defer in (False, True):
-        monkeypatch.setattr(row_delta, "ENABLED", defer)
-        norms.clear(), launches.clear()
-        got = _run_lora_steps(model, mapping, fdp)
-        assert norms == [3] * n_layers * n_steps, f"only qkv's norm computes a shrink: {norms}"
-        pairs = list(zip(launches, launches[1:]))
-        assert pairs.count((("gemm", True), ("shrink", True))) == (3 if defer else 1) * n_layers * n_steps, launches
-        for i, (a, b) in enumerate(zip(got, want)):
-            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")

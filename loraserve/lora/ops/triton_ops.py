@@ -124,15 +124,13 @@ class TritonLoRAOps:
         activation feeds (down): where they are given and ``gated_lora.shrink_supports`` its A, the gated
         launch also computes the shrink of its output, and the result is (out, that shrink): down's ``shrunk``."""
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
-        if then_silu_and_mul and (tiles is None or not _takes_gated(weight, lora_b_stacked)):
-            return None
+        if then_silu_and_mul:
+            gate_up = len(lora_b_stacked) == 2 and lora_b_stacked[0].shape == lora_b_stacked[1].shape
+            gate_up = gate_up and lora_b_stacked[0].shape[2] % gated_lora.DEFAULT_BLOCK_N == 0
+            if tiles is None or not gate_up or not gated_lora.prefer(weight.shape[0], weight.shape[1]):
+                return None
         if tiles is None:
             return None
-        if then_silu_and_mul and shrunk is None and gated_lora.GEMM_FIRST and _max_rank(lora_a_stacked, ranks, meta):
-            # the GEMM, then the shrink beside it (waiting for the GEMM only before ending), then SiLU-and-mul
-            y = decode.decode_linear(x, weight, bias, tiles=tiles, before_shrink=True)
-            buf = self._decode_shrink(x, lora_a_stacked, ranks, meta, after_gemm=True)[0]
-            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots)
         if shrunk is not None:
             buf, pdl = shrunk, False
         else:
@@ -179,8 +177,6 @@ class TritonLoRAOps:
             return None
         if _max_rank(lora_a_stacked, ranks, meta) == 0:
             return None  # nothing to add: linear_with_lora runs the plain GEMM
-        if gated_lora.GEMM_FIRST and _takes_gated(weight, lora_b_stacked):
-            return None  # gate/up's shrink runs beside its GEMM (linear_with_lora), not in the norm
         return norm_shrink.norm_shrink(
             x, residual, norm_weight, eps, lora_a_stacked, token_slots, self.ranks_tensor(ranks), delta=delta
         )
@@ -191,23 +187,21 @@ class TritonLoRAOps:
         """(x W^T + b, the delta left to its reader): the shrink (or ``shrunk``, x's shrink computed by the
         launch that wrote x), then the plain decode GEMM as the shrink's PDL dependent (``after_shrink``:
         it streams W while the shrink runs; its completion implies the shrink's, so its reader, a link of
-        the PDL chain, finds buf written). Where ``row_delta`` is on (LORASERVE_DEFER_DELTA=1), one slice,
+        the PDL chain, finds buf written). Where ``row_delta`` is on (the default; LORASERVE_DEFER_DELTA=0 turns it off), one slice,
         ``row_delta.supports`` B, some slot has a rank and the decode GEMM applies; else None."""
         if not row_delta.ENABLED or len(lora_b_stacked) != 1 or not row_delta.supports(x.dtype, lora_b_stacked[0]):
             return None
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
         if tiles is None:
             return None
-        if _max_rank(lora_a_stacked, ranks, meta) == 0:
-            return None
         if shrunk is not None:
-            return decode.decode_linear(x, weight, bias, tiles=tiles), PendingDelta(shrunk, lora_b_stacked[0], token_slots)
-        if row_delta.GEMM_FIRST:  # the GEMM, then the shrink beside it (it waits for the GEMM only before ending)
-            y = decode.decode_linear(x, weight, bias, tiles=tiles, before_shrink=True)
-            buf = self._decode_shrink(x, lora_a_stacked, ranks, meta, after_gemm=True)[0]
-        else:  # the shrink, then the GEMM as its dependent (streaming W while it runs)
-            buf, pdl = self._decode_shrink(x, lora_a_stacked, ranks, meta)
-            y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
+            buf, pdl = shrunk, False
+        else:
+            own = self._decode_shrink(x, lora_a_stacked, ranks, meta)
+            if own is None:
+                return None
+            buf, pdl = own
+        y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
         return y, PendingDelta(buf, lora_b_stacked[0], token_slots)
 
     def fused_shrink(self, x_like, lora_a_stacked, lora_b_stacked, ranks, weight, meta, token_slots) -> FusedShrink | None:
@@ -228,7 +222,7 @@ class TritonLoRAOps:
         tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
         return tiles if decode.supports(x, weight, slices, tiles) else None
 
-    def _decode_shrink(self, x, lora_a_stacked, ranks, meta, after_gemm=False) -> tuple[torch.Tensor, bool] | None:
+    def _decode_shrink(self, x, lora_a_stacked, ranks, meta) -> tuple[torch.Tensor, bool] | None:
         """The shrink of a decode-size fused path: (buf, whether the next launch is its PDL dependent), or
         None when no slot has a rank (nothing to add).
 
@@ -240,8 +234,7 @@ class TritonLoRAOps:
         max_rank = _max_rank(lora_a_stacked, ranks, meta)
         if max_rank == 0:
             return None
-        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True,
-                          after_gemm=after_gemm)  # fmt: skip
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
         return buf, use_pdl(x.device) and meta.num_segs > 0
 
     def add_lora_embedding(
@@ -262,14 +255,6 @@ class TritonLoRAOps:
         rows = emb_a[token_slots.clamp(min=0), ids].float()  # (T, R); rows of base tokens are never read
         # the "activations" are A's rows in its storage dtype: B's products are exact in it (fp32 for fp32)
         lora_expand(y, rows.view(1, 1, *rows.shape), (lora_b,), meta, rank_dev, act_dtype=emb_a.dtype)
-
-
-def _takes_gated(weight: torch.Tensor, lora_b_stacked: tuple[torch.Tensor, ...]) -> bool:
-    """Whether a gate/up product of this GEMM weight adds its delta in SiLU-and-mul (``gated_lora``): two equal
-    slices of whole column blocks, where ``gated_lora.prefer`` says it is the faster path."""
-    gate_up = len(lora_b_stacked) == 2 and lora_b_stacked[0].shape == lora_b_stacked[1].shape
-    gate_up = gate_up and lora_b_stacked[0].shape[2] % gated_lora.DEFAULT_BLOCK_N == 0
-    return gate_up and gated_lora.prefer(weight.shape[0], weight.shape[1])
 
 
 def _max_rank(lora_a_stacked: tuple[torch.Tensor, ...], ranks: list[int], meta: SegmentMeta) -> int:

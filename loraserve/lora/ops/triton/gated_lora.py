@@ -51,10 +51,6 @@ from loraserve.lora.ops.triton.utils import (
 # (session 21, H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, with o's in attention: this kernel 5.8 -> 12.3 µs a layer, more
 # than the 5.0 µs shrink launch it saves; the step 1.39 -> 1.76 ms): kept to build on, and its tests run it
 SHRINK_ENABLED = os.environ.get("LORASERVE_GATED_SHRINK", "0") == "1"
-# gate/up's GEMM, then its shrink beside it (lora_shrink's after_gemm: reads x at once, waits for the GEMM only before
-# ending), then this launch: the shrink off the norm's launch and off the GEMM's start. Opt-in while unmeasured:
-# LORASERVE_GATED_GEMM_FIRST=1 (else the norm computes the shrink, norm_shrink, or it runs before the GEMM)
-GEMM_FIRST = os.environ.get("LORASERVE_GATED_GEMM_FIRST", "0") == "1"
 MAX_TOKENS = 32  # one tile of tokens; a decode step's batch (decode_linear.MAX_TOKENS)
 MAX_SHRINK_ROWS = 256  # rows of (slot, rank) of down's A tile a program holds (shrink_supports): 8 slots of rank 16 take 128
 DEFAULT_BLOCK_N = 64  # columns of each half a program owns (the --gated sweep's fastest; silu_and_mul_lora)

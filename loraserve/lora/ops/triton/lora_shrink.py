@@ -287,11 +287,8 @@ def _lora_shrink_kernel(
     X16: tl.constexpr,  # bf16 x, fp16 A: fp16 products, a block with an x past fp16's range again in CDT
     USE_PDL: tl.constexpr,
     EVEN_R: tl.constexpr,  # R % BLOCK_R == 0: every rank column of the grid exists (_out_mask)
-    X_READY: tl.constexpr,  # (PDL) the kernel before us let us launch once x was complete: see lora_shrink's after_gemm
 ):
     """A grid (split x rank blocks x slices, token blocks, segments)."""
-    if X_READY:  # our dependent may launch now; it waits for our completion, which implies the GEMM's (below)
-        tl.extra.cuda.gdc_launch_dependents()
     pid0 = tl.program_id(0)
     pid_m = tl.program_id(1)
     seg = tl.program_id(2)
@@ -327,8 +324,6 @@ def _lora_shrink_kernel(
                           stride_xk, stride_as, stride_ar, stride_ak, stride_bsp, stride_bi, stride_bm, R,
                           NUM_SLICES, NUM_RBLOCKS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, RED, REDUCE, ONE_CHUNK, CDT,
                           IEEE, X16, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m)  # fmt: skip
-    if X_READY:  # the GEMM before us writes what our dependent reads too: end after it, so our completion implies its
-        tl.extra.cuda.gdc_wait()
 
 
 # Tuning knobs (module attributes, so that benchmarks/gpu/bench_decode_linear.py --matrix can sweep them):
@@ -462,7 +457,6 @@ def lora_shrink(
     block_r: int = 16,
     reduce: bool = True,
     zero_fill: bool = False,
-    after_gemm: bool = False,
 ) -> torch.Tensor:
     """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (P, n_slices, T, R) fp32 whose planes sum to x @ A_i[slot]^T.
 
@@ -472,10 +466,6 @@ def lora_shrink(
     at columns r < ranks[slot], which is all ``lora_expand`` reads; with ``zero_fill`` every column (up
     to R) of those rows is, zeros past the slot's rank, so that a reader needs no rank (decode_linear's
     epilogue). Rows of tokens without a slot are never written.
-
-    ``after_gemm``: launched right after ``decode_linear(x, ..., before_shrink=True)``, the GEMM of the same x,
-    which lets us launch only once x is complete: under PDL we read x at once, running beside the GEMM, and
-    wait for it only before ending (so that whoever waits for us, the reader of both outputs, finds both).
     """
     n = len(lora_a)
     assert 1 <= n <= 3, f"1 to 3 slices per launch, got {n}"
@@ -515,7 +505,6 @@ def lora_shrink(
     if reduce:
         cnt = persistent_buffer(x.device, "lora_shrink/arrivals", n * n_rblocks * grid[1] * grid[2])
     pdl = use_pdl(x.device)
-    x_ready = pdl and after_gemm
     prefill = meta.max_seg_len > 32
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages) if prefill else dict(num_warps=4)
     _lora_shrink_kernel[grid](
@@ -529,6 +518,6 @@ def lora_shrink(
         ZERO_FILL=zero_fill, FUSE_SLICES=fuse,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
         X16=FP16_X and prefill and cdt == torch.float32 and x.dtype == torch.bfloat16 and a0.dtype == torch.float16,
-        USE_PDL=pdl and not x_ready, EVEN_R=R % block_r == 0, X_READY=x_ready, launch_pdl=pdl, **launch,
+        USE_PDL=pdl, EVEN_R=R % block_r == 0, launch_pdl=pdl, **launch,
     )  # fmt: skip
     return buf[:1] if reduce else buf

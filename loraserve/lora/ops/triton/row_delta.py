@@ -1,7 +1,7 @@
 """A row-parallel projection's LoRA delta, added by the RMSNorm that reads the projection's output: what a
 decode step's o_proj and down can do on the GPU when their output goes straight into the residual add and
 norm after them (Llama's decoder: o -> post-attention norm, down -> the next layer's input norm, or the
-model's final norm). Opt-in while unmeasured on a GPU: ``LORASERVE_DEFER_DELTA=1``.
+model's final norm). On by default (``LORASERVE_DEFER_DELTA=0`` turns it off: the delta in the GEMM's epilogue).
 
     x'[t] = round(x[t] + sum_r B[slot(t), :, r] * s[t, r])        (x: the projection's base output)
 
@@ -18,7 +18,15 @@ that nothing hides (session 20's trace, Qwen2.5-0.5B: 1-2 µs an op). Deferred, 
 shrink's dependent with no epilogue (``decode_linear(after_shrink=True)``: it streams W while the shrink
 runs, as gate/up's GEMM does for ``gated_lora``), and the norm, a link of the PDL chain launched while
 the GEMM runs, loads its token's B (weights, and the slot: the mapping, written before the forward)
-before its wait; after it only s's few floats are new.
+before its wait; after it only s's few floats are new. Measured (session 22, H100, Qwen2.5-0.5B shape, 32
+tokens, 8 adapters, CUDA graphs; BENCHMARKS.md): the 8-adapter step's graph replay 1.39 -> 1.32-1.34 ms
+(base 1.05), step_trace 1.316x -> 1.294x the base; not taken by Llama-8B (hidden 4096 > MAX_HIDDEN).
+
+NOTE: two orders of the launches were measured and removed (session 22, commit 21870b3): the GEMM first,
+letting its shrink launch once x was complete and the shrink waiting for the GEMM only before ending
+(the step 1.302 vs 1.300 ms: the shrink, 4.4 µs, became the long pole), and the same for gate/up, its
+shrink beside its GEMM instead of in the norm (1.344 ms, slower: that shrink took 6 µs, longer than
+the GEMM's remaining time; its decoder test also failed on the GPU, not investigated).
 
 Layout: the norm's program owns one row (token); its B tile (BLOCK_R, BLOCK) sits in registers beside
 the row, so hidden sizes up to ``MAX_HIDDEN`` (a 2048 row of 16 ranks: 32K halves over the norm's 8
@@ -35,13 +43,9 @@ import triton.language as tl
 
 from loraserve.lora.ops.triton.utils import compute_dtype_of, sum_planes, tl_dtype
 
-# The row-parallel projections before a norm leave their delta to it; LORASERVE_DEFER_DELTA=1 turns it on (opt-in
-# until a GPU measures it against the epilogue: run_device.sh defer22)
-ENABLED = os.environ.get("LORASERVE_DEFER_DELTA", "0") == "1"
-# The order of the two launches before the norm: the GEMM, then the shrink beside it (reads x at once, waits for the
-# GEMM only before ending: decode_linear's before_shrink, lora_shrink's after_gemm); LORASERVE_DEFER_GEMM_FIRST=0:
-# the shrink, then the GEMM as its dependent (after_shrink), the order session 22 first measured
-GEMM_FIRST = os.environ.get("LORASERVE_DEFER_GEMM_FIRST", "1") != "0"
+# The row-parallel projections before a norm leave their delta to it (measured faster on Qwen2.5-0.5B, session 22);
+# LORASERVE_DEFER_DELTA=0: the delta in the GEMM's epilogue, as before
+ENABLED = os.environ.get("LORASERVE_DEFER_DELTA", "1") != "0"
 MAX_HIDDEN = 2048  # the projection's output size (the norm's row): B's tile of a token lives in registers
 MAX_RANK = 64
 
