@@ -58,8 +58,6 @@
 #                                               their tests, bench_e2e Qwen-0.5B per setting, step_trace Qwen-0.5B
 #   bash benchmarks/gpu/run_device.sh final22   # every GPU test, bench_e2e Qwen-0.5B with o's/down's delta in the norms off and on,
 #                                               and Llama-8B
-#   bash benchmarks/gpu/run_device.sh qkv22     # every GPU test, bench_e2e Qwen-0.5B without / with o's and down's / with all three
-#                                               deltas deferred (qkv's to the rotary launch), Llama-8B
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -309,17 +307,6 @@ for stage in "$@"; do
             done
             echo "### bench_e2e llama-3.1-8b: default" | tee -a "$OUT/e2e.txt"
             timeout 150 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf 2>&1 | grep "^| llama\|replay\|parity max\|greedy ids" | tee -a "$OUT/e2e.txt"
-            ;;
-        qkv22)
-            # qkv's delta in the rotary launch (row_delta, LORASERVE_DEFER_QKV) and the norms' delta on twice the warps:
-            # every GPU test, then bench_e2e Qwen-0.5B: no deferred delta, o's/down's only, all three; Llama-8B default
-            timeout 200 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | grep "passed\|failed\|FAILED\|Error" | tail -12 | tee "$OUT/tests.txt"
-            for knobs in "LORASERVE_DEFER_DELTA=0" "LORASERVE_DEFER_QKV=0" ""; do
-                echo "### bench_e2e qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/e2e.txt"
-                env $knobs timeout 80 python3 benchmarks/gpu/bench_e2e.py --shapes qwen2.5-0.5b --skip-hf 2>&1 | grep "^| qwen\|replay\|parity max\|greedy ids" | tee -a "$OUT/e2e.txt"
-            done
-            echo "### bench_e2e llama-3.1-8b: default" | tee -a "$OUT/e2e.txt"
-            timeout 100 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf 2>&1 | grep "^| llama\|replay\|parity max\|greedy ids" | tee -a "$OUT/e2e.txt"
             ;;
         trace8b21)
             for knobs in "" "LORASERVE_ATTN_SHRINK=1"; do

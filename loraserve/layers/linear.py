@@ -40,13 +40,6 @@ def _new_param(*shape: int, dtype: torch.dtype | None, loader) -> nn.Parameter:
 
 
 class LinearBase(nn.Module):
-    # Set by a model whose code takes the LoRA delta of this layer's output (forward_context.take_deferred_delta)
-    # before anything else reads it: a LoRA'd wrapper may then leave its delta to that reader's launch
-    # (lora/ops/triton/row_delta.py). output_feeds_norm: an RMSNorm reads it directly (its residual add: o_proj,
-    # down); output_feeds_rotary: the attention's rotary launch does (qkv, split into q, k and v)
-    output_feeds_norm = False
-    output_feeds_rotary = False
-
     def __init__(self, input_size: int, output_size: int, params_dtype: torch.dtype | None = None):
         super().__init__()
         self.input_size = input_size
@@ -182,6 +175,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """Y = X A^T with A split by input columns; partial outputs are all-reduced, the bias added once after."""
+
+    # set by a model whose RMSNorm reads this layer's output directly (its residual add): a LoRA'd wrapper may
+    # then leave its delta to that norm (lora/ops/triton/row_delta.py; forward_context.defer_delta)
+    output_feeds_norm = False
 
     def __init__(
         self,

@@ -42,16 +42,8 @@ import triton
 import triton.language as tl
 
 from loraserve.lora.ops.triton import row_delta
-from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of, shrunk_row
+from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of_row
 from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, tl_dtype
-
-
-def norm_warps(block: int, delta: bool = False) -> int:
-    """The warps of a norm kernel's row of ``block`` (a power of 2): the row's layout, so the order of the
-    variance's fp32 sum (kernels that must give the same bits take the same count). With a pending LoRA delta
-    (``row_delta``) twice as many: B's tile (16 ranks by the row) at 4 warps for a 1024-row took 255 registers
-    and spilled (compiled for sm_90: 128 bytes of stack), at 8 warps 80 (norm_shrink's: 175, no spill)."""
-    return min(16, max(1, block // (128 if delta else 256)))
 
 
 @triton.jit
@@ -98,7 +90,7 @@ def _fused_add_rms_norm_kernel(
             tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_DELTA:  # PEFT's order: the base output rounded, plus the delta in fp32, rounded once more
-        d = delta_of(bt, shrunk_row(slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT))
+        d = delta_of_row(bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
         x = (x.to(tl.float32) + d).to(x_ptr.dtype.element_ty)
     x = x.to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -136,7 +128,7 @@ def fused_add_rms_norm(
         chain = pdl_chain(x.device)
         _fused_add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), N, eps,
-            BLOCK=block, PDL_CHAIN=chain, num_warps=norm_warps(block, delta is not None), launch_pdl=chain,
+            BLOCK=block, PDL_CHAIN=chain, num_warps=min(16, max(1, block // 256)), launch_pdl=chain,
             **row_delta.kernel_args(delta, x2),
         )  # fmt: skip
     return out.view(x.shape), r_out.view(x.shape)
@@ -155,7 +147,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         chain = pdl_chain(x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, weight, out, x2.stride(0), out.stride(0), N, eps, BLOCK=block, PDL_CHAIN=chain,
-            num_warps=norm_warps(block), launch_pdl=chain,
+            num_warps=min(16, max(1, block // 256)), launch_pdl=chain,
         )  # fmt: skip
     return out.view(*x.shape[:-1], N)
 
@@ -206,27 +198,17 @@ def _rotate_half(x1, x2, c, s):
 
 
 @triton.jit
-def _rotate_row(x_row, o_row, c, s, offs, mask, HALF, D, REST_BLOCK: tl.constexpr, d1, d2, d_rest):
-    """Rotate one head at x_row (rotary dims [0, 2*HALF)) into o_row; dims [2*HALF, D) copied. d1, d2, d_rest
-    (fp32, or None): a LoRA delta added to the head's halves and rest first, rounded (``_plus``)."""
-    x1 = _plus(tl.load(x_row + offs, mask=mask, other=0.0), d1)
-    x2 = _plus(tl.load(x_row + HALF + offs, mask=mask, other=0.0), d2)
+def _rotate_row(x_row, o_row, c, s, offs, mask, HALF, D, REST_BLOCK: tl.constexpr):
+    """Rotate one head at x_row (rotary dims [0, 2*HALF)) into o_row; dims [2*HALF, D) copied."""
+    x1 = tl.load(x_row + offs, mask=mask, other=0.0)
+    x2 = tl.load(x_row + HALF + offs, mask=mask, other=0.0)
     o1, o2 = _rotate_half(x1, x2, c, s)
     tl.store(o_row + offs, o1, mask=mask)
     tl.store(o_row + HALF + offs, o2, mask=mask)
     if REST_BLOCK > 0:
         r = 2 * HALF + tl.arange(0, REST_BLOCK)
         rmask = r < D
-        tl.store(o_row + r, _plus(tl.load(x_row + r, mask=rmask, other=0.0), d_rest), mask=rmask)
-
-
-@triton.jit
-def _plus(x, d):
-    """x + d rounded to x's dtype (PEFT's order: the base output rounded, the LoRA delta added in fp32, rounded
-    once more); x itself when d is None."""
-    if d is not None:
-        x = (x.to(tl.float32) + d).to(x.dtype)
-    return x
+        tl.store(o_row + r, tl.load(x_row + r, mask=rmask, other=0.0), mask=rmask)
 
 
 @triton.jit
@@ -254,7 +236,7 @@ def _rotary_kernel(
     s = tl.load(sin_ptr + t * stride_c + offs, mask=mask, other=0.0)
     x_row = x_ptr + t * stride_xt + hd * stride_xh
     o_row = out_ptr + t * stride_ot + hd * stride_oh
-    _rotate_row(x_row, o_row, c, s, offs, mask, HALF, D, REST_BLOCK, None, None, None)
+    _rotate_row(x_row, o_row, c, s, offs, mask, HALF, D, REST_BLOCK)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -286,67 +268,33 @@ def _rotary_kv_cache_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cs, stride_ch, stride_c, Hq, HALF, D,
     ROT_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, PDL_CHAIN: tl.constexpr,
-    # qkv's pending LoRA delta (row_delta: the projection left it to this launch): for q, k and v, the B stack
-    # holding their columns, the first of them in it, its stride per slot and its slice of the shrink
-    d_buf_ptr, dbq_ptr, dbk_ptr, dbv_ptr, d_slots_ptr, q_col, k_col, v_col, stride_dbq, stride_dbk, stride_dbv,
-    q_sl, k_sl, v_sl, stride_dsp, stride_dsi, stride_dsm, D_P, D_R, HAS_DELTA: tl.constexpr, D_BLOCK_R: tl.constexpr,
-    D_RED: tl.constexpr, D_CDT: tl.constexpr,
 ):  # fmt: skip
-    # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait, but for the pending
-    # delta's B and slot (weights and the mapping, written before the forward)
-    if PDL_CHAIN:
-        pdl_link(not HAS_DELTA)
+    if PDL_CHAIN:  # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait
+        pdl_link(True)
     # grid (T, Hq + Hk): program (t, h) rotates q head h (h < Hq) into q_out, or k head h - Hq into the
     # cache row slot_mapping[t] and copies v head h - Hq there too
     t = tl.program_id(0).to(tl.int64)
     hd = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, ROT_BLOCK)
     mask = offs < HALF
-    r_offs = 2 * HALF + tl.arange(0, REST_BLOCK if REST_BLOCK > 0 else 1)
-    r_mask = r_offs < D
-    d = tl.arange(0, D_BLOCK)
-    dmask = d < D
-    if HAS_DELTA:  # this head's columns of B: q's, or k's and v's
-        if hd < Hq:
-            b_ptr, col, stride_b = dbq_ptr, q_col + hd * D, stride_dbq
-        else:
-            b_ptr, col, stride_b = dbk_ptr, k_col + (hd - Hq) * D, stride_dbk
-        slot, b1 = delta_b_tile(b_ptr, d_slots_ptr, t, stride_b, col + offs, mask, D_R, D_BLOCK_R)
-        _, b2 = delta_b_tile(b_ptr, d_slots_ptr, t, stride_b, col + HALF + offs, mask, D_R, D_BLOCK_R)
-        _, b_rest = delta_b_tile(b_ptr, d_slots_ptr, t, stride_b, col + r_offs, r_mask, D_R, D_BLOCK_R)
-        _, b_v = delta_b_tile(dbv_ptr, d_slots_ptr, t, stride_dbv, v_col + (hd - Hq) * D + d, dmask & (hd >= Hq),
-                              D_R, D_BLOCK_R)  # fmt: skip
-        if PDL_CHAIN:
-            tl.extra.cuda.gdc_wait()
     c = tl.load(cos_ptr + t * stride_c + offs, mask=mask, other=0.0)  # rows cat(f, f): first half
     s = tl.load(sin_ptr + t * stride_c + offs, mask=mask, other=0.0)
     if hd < Hq:
-        q1, q2, q_rest = None, None, None
-        if HAS_DELTA:
-            sq = shrunk_row(slot, d_buf_ptr + q_sl * stride_dsi, t, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED,
-                            D_CDT)  # fmt: skip
-            q1, q2, q_rest = delta_of(b1, sq), delta_of(b2, sq), delta_of(b_rest, sq)
         _rotate_row(
             q_ptr + t * stride_qt + hd * stride_qh, q_out_ptr + t * stride_ot + hd * stride_oh,
-            c, s, offs, mask, HALF, D, REST_BLOCK, q1, q2, q_rest,
+            c, s, offs, mask, HALF, D, REST_BLOCK,
         )  # fmt: skip
     else:
         kh = hd - Hq
-        slot_c = tl.load(slot_ptr + t).to(tl.int64)
-        k1, k2, k_rest, dv = None, None, None, None
-        if HAS_DELTA:
-            sk = shrunk_row(slot, d_buf_ptr + k_sl * stride_dsi, t, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED,
-                            D_CDT)  # fmt: skip
-            k1, k2, k_rest = delta_of(b1, sk), delta_of(b2, sk), delta_of(b_rest, sk)
-            sv = shrunk_row(slot, d_buf_ptr + v_sl * stride_dsi, t, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED,
-                            D_CDT)  # fmt: skip
-            dv = delta_of(b_v, sv)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
         _rotate_row(
-            k_ptr + t * stride_kt + kh * stride_kh, k_cache_ptr + slot_c * stride_cs + kh * stride_ch,
-            c, s, offs, mask, HALF, D, REST_BLOCK, k1, k2, k_rest,
+            k_ptr + t * stride_kt + kh * stride_kh, k_cache_ptr + slot * stride_cs + kh * stride_ch,
+            c, s, offs, mask, HALF, D, REST_BLOCK,
         )  # fmt: skip
-        v = _plus(tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=dmask, other=0.0), dv)
-        tl.store(v_cache_ptr + slot_c * stride_cs + kh * stride_ch + d, v, mask=dmask)
+        d = tl.arange(0, D_BLOCK)
+        dmask = d < D
+        v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=dmask, other=0.0)
+        tl.store(v_cache_ptr + slot * stride_cs + kh * stride_ch + d, v, mask=dmask)
 
 
 def rotary_kv_cache(
@@ -358,7 +306,6 @@ def rotary_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    delta=None,
 ) -> torch.Tensor:
     """Rotate q and k by cos/sin, write rotated k and v into the paged cache; return rotated q. One launch.
 
@@ -370,9 +317,6 @@ def rotary_kv_cache(
     ``rotate_torch(k, cos, sin)`` and ``v_cache[slot_mapping]`` holds v, exactly as the torch path's
     ``k_cache[slot_mapping] = k`` after ``rotary`` leaves them; the returned q (T, Hq, D) equals
     ``rotary(q, cos, sin)``. No host syncs: capturable in CUDA graphs.
-
-    ``delta``: the qkv projection's pending LoRA delta (a ``punica.PendingDelta`` over q | k | v's columns, as
-    1 or 3 slices), added to q, k and v first (``row_delta``'s numbers: each rounded, then rotated / stored).
     """
     T, Hq, D = q.shape
     Hk = k.shape[1]
@@ -404,6 +348,5 @@ def rotary_kv_cache(
             out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), cos.stride(0), Hq, half, D,
             ROT_BLOCK=triton.next_power_of_2(half), REST_BLOCK=triton.next_power_of_2(rest) if rest else 0,
             D_BLOCK=triton.next_power_of_2(D), PDL_CHAIN=chain, num_warps=1, launch_pdl=chain,
-            **row_delta.qkv_kernel_args(delta, q, Hk),
         )  # fmt: skip
     return out

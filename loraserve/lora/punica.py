@@ -147,28 +147,24 @@ class FusedShrink(NamedTuple):
 
 
 class PendingDelta(NamedTuple):
-    """A projection's LoRA delta left to the launch that reads its output (``row_delta``): the shrink of its
-    input (buf (P, n_slices, T, R) fp32, every column of a LoRA token's row written, P planes to sum), its B
-    stacks (per slice (S, 1, N_i, R), the slices' columns in order) and each token's slot (-1 = base). The
-    projection's output is the base product only; whoever reads it adds ``B_i[slot] s_i`` first (``add_to``):
-    the norm after o_proj or down, the attention's rotary launch after qkv."""
+    """A row-parallel projection's LoRA delta left to the RMSNorm that reads its output (``row_delta``):
+    the shrink of its input (buf (P, 1, T, R) fp32, every column of a LoRA token's row written, P planes
+    to sum), its B stack (S, 1, N, R) and each token's slot (-1 = base). The projection's output is the
+    base product only; whoever reads it adds ``B[slot] s`` first (``add_to``)."""
 
     buf: torch.Tensor
-    lora_b: tuple[torch.Tensor, ...]
+    lora_b: torch.Tensor
     token_slots: torch.Tensor
 
     def add_to(self, y: torch.Tensor) -> torch.Tensor:
         """y + the delta, rounded once to y's dtype (a new tensor): what a reader without the fused kernel
         does (the torch path, ``row_delta``'s numbers in torch's order of the sum over r)."""
+        s = self.buf.sum(0)[0]  # (T, R) fp32, the planes summed in order
         slots = self.token_slots.long()
-        deltas = []
-        for i, b in enumerate(self.lora_b):
-            s = self.buf[:, i].sum(0)  # (T, R) fp32, the planes summed in order
-            cdt = compute_dtype(y.dtype, b.dtype)
-            bs = b[slots.clamp(min=0), 0].to(cdt).float()  # (T, N_i, R)
-            s = torch.where((slots >= 0)[:, None], s, 0.0).to(cdt).float()
-            deltas.append(torch.einsum("tnr,tr->tn", bs, s))
-        return (y.float() + torch.cat(deltas, dim=1)).to(y.dtype)
+        cdt = compute_dtype(y.dtype, self.lora_b.dtype)
+        b = self.lora_b[slots.clamp(min=0), 0].to(cdt).float()  # (T, N, R)
+        s = torch.where((slots >= 0)[:, None], s, 0.0).to(cdt).float()
+        return (y.float() + torch.einsum("tnr,tr->tn", b, s)).to(y.dtype)
 
 
 class PunicaWrapper:
@@ -329,17 +325,14 @@ class PunicaWrapper:
         lora_b_stacked: tuple[torch.Tensor, ...],
         ranks: list[int],
         shrunk: torch.Tensor | None = None,
-        reader: str = "norm",
     ) -> tuple[torch.Tensor, PendingDelta] | None:
         """(x W^T + b, the LoRA delta left to the output's reader) where a kernel path does that
-        (``TritonLoRAOps.linear_deferring_delta``: at decode sizes, for a ``reader`` "norm" (the RMSNorm after
-        o_proj or down) or "rotary" (the attention's rotary launch after qkv)); else None."""
+        (``TritonLoRAOps.linear_deferring_delta``: a one-slice product at decode sizes); else None."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.linear_deferring_delta(
-            x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots, shrunk,
-            reader,
+            x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots, shrunk
         )
 
     def add_lora_embedding(

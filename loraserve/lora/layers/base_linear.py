@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
-from loraserve.forward_context import current_lora_mapping, defer_delta
+from loraserve.forward_context import current_lora_mapping
 from loraserve.layers.linear import linear
 from loraserve.lora.layers.base import BaseLayerWithLoRA, LoRAPieces
 from loraserve.lora.punica import FusedShrink
@@ -166,28 +166,6 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             if y is not None:
                 return y
         return self.apply_lora(linear(x, weight, bias), x)
-
-    def forward_deferring_delta(self, x: torch.Tensor, reader: str) -> torch.Tensor | None:
-        """x W^T + b with this step's LoRA delta left to the output's reader (``defer_delta``; ``reader``: "norm"
-        or "rotary", whose kernel adds it: ``row_delta``), where the fused decode path takes that; else None
-        (then the caller runs ``linear``). Only for a layer whose model takes the delta of its output
-        (``output_feeds_norm`` / ``output_feeds_rotary``): ``forward_context`` raises if nobody does."""
-        pw = self.punica_wrapper
-        if pw is None or not pw.defers_delta or not self._fusable():
-            return None
-        shrunk = self.take_shrunk(x)
-        base = self.base_layer
-        deferred = pw.linear_deferring_delta(
-            x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, shrunk=shrunk,
-            reader=reader,
-        )  # fmt: skip
-        if deferred is None:
-            if shrunk is not None:
-                self.keep_shrunk(x, shrunk)  # for linear's fused path
-            return None
-        y, delta = deferred
-        defer_delta(y, delta)
-        return y
 
     def fuse_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, delta=None):
         """The RMSNorm whose output is this layer's input, run with this layer's LoRA shrink in its launch

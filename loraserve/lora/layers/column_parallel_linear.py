@@ -42,10 +42,6 @@ class ColumnParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
-        if base.output_feeds_rotary and not base.gather_output:  # the attention's rotary launch adds the delta
-            y = self.forward_deferring_delta(x, "rotary")
-            if y is not None:
-                return y
         y = self.linear(x, base.weight, base.bias)
         return tp_all_gather(y) if base.gather_output else y
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from loraserve.forward_context import defer_delta
 from loraserve.layers.linear import RowParallelLinear
 from loraserve.lora.layers.base_linear import BaseLinearLayerWithLoRA
 
@@ -22,10 +23,18 @@ class RowParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
         if self.tp_size == 1:
-            if base.output_feeds_norm:  # the norm after us adds the delta (row_delta)
-                y = self.forward_deferring_delta(x, "norm")
-                if y is not None:
+            pw = self.punica_wrapper
+            if base.output_feeds_norm and pw is not None and pw.defers_delta and self._fusable():
+                shrunk = self.take_shrunk(x)
+                deferred = pw.linear_deferring_delta(
+                    x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, shrunk=shrunk
+                )  # fmt: skip
+                if deferred is not None:  # the base product; the norm reading it adds the delta (row_delta)
+                    y, delta = deferred
+                    defer_delta(y, delta)
                     return y
+                if shrunk is not None:
+                    self.keep_shrunk(x, shrunk)  # for linear's fused path
             # NOTE: PEFT's order, y = (Wx + b) + s*B(Ax), for bit-equal bf16 results at TP=1
             return self.linear(x, base.weight, base.bias)
         # B(A_i x_i) summed over ranks by the all-reduce = B(Ax)

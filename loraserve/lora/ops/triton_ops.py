@@ -182,21 +182,14 @@ class TritonLoRAOps:
         )
 
     def linear_deferring_delta(
-        self, x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, meta, token_slots, shrunk=None, reader="norm"
+        self, x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, meta, token_slots, shrunk=None
     ) -> tuple[torch.Tensor, PendingDelta] | None:
         """(x W^T + b, the delta left to its reader): the shrink (or ``shrunk``, x's shrink computed by the
-        launch that wrote x), then the plain decode GEMM, as the shrink's PDL dependent (``after_shrink``: it
-        streams W while the shrink runs; its completion implies the shrink's, so its reader, a link of the
-        PDL chain, finds buf written) or as an ordinary link after the launch that wrote ``shrunk``. Where
-        ``row_delta`` is on (the default; LORASERVE_DEFER_DELTA=0 turns it off), the reader's kernel takes B
-        (``row_delta.supports``: ``reader`` "norm", a row of at most MAX_HIDDEN columns, one slice; "rotary",
-        the attention's rotary launch, 1-3 slices), some slot has a rank and the decode GEMM applies; else None."""
-        max_cols = row_delta.MAX_HIDDEN if reader == "norm" else None
-        if not row_delta.ENABLED or (reader == "norm" and len(lora_b_stacked) != 1):
-            return None
-        if reader == "rotary" and not row_delta.QKV:
-            return None
-        if not all(row_delta.supports(x.dtype, b, max_cols) for b in lora_b_stacked):
+        launch that wrote x), then the plain decode GEMM as the shrink's PDL dependent (``after_shrink``:
+        it streams W while the shrink runs; its completion implies the shrink's, so its reader, a link of
+        the PDL chain, finds buf written). Where ``row_delta`` is on (the default; LORASERVE_DEFER_DELTA=0 turns it off), one slice,
+        ``row_delta.supports`` B, some slot has a rank and the decode GEMM applies; else None."""
+        if not row_delta.ENABLED or len(lora_b_stacked) != 1 or not row_delta.supports(x.dtype, lora_b_stacked[0]):
             return None
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
         if tiles is None:
@@ -209,7 +202,7 @@ class TritonLoRAOps:
                 return None
             buf, pdl = own
         y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
-        return y, PendingDelta(buf, tuple(lora_b_stacked), token_slots)
+        return y, PendingDelta(buf, lora_b_stacked[0], token_slots)
 
     def fused_shrink(self, x_like, lora_a_stacked, lora_b_stacked, ranks, weight, meta, token_slots) -> FusedShrink | None:
         """``PunicaWrapper.fused_shrink``: a one-slice layer whose product of an x like x_like takes the decode

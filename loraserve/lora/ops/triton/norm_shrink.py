@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.layers.triton_elementwise import norm_warps, rms_norm_row
+from loraserve.layers.triton_elementwise import rms_norm_row
 from loraserve.lora.ops.triton import row_delta
-from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of, shrunk_row
+from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of_row
 from loraserve.lora.ops.triton.utils import pdl_chain, slice_ptr, tl_dtype
 
 # The decode step's norms compute the shrink of the LoRA'd projection they feed; LORASERVE_NORM_SHRINK=0: the
@@ -50,9 +50,9 @@ MAX_HIDDEN = 4096  # a row of A's tile per rank in registers: past this the sepa
 BLOCK_R = 16
 
 
-def num_warps(block: int, delta: bool = False) -> int:
-    """The norm kernels' warps for a row of ``block`` (triton_elementwise.norm_warps): the same layout, the same sums."""
-    return norm_warps(block, delta)
+def num_warps(block: int) -> int:
+    """The norm kernels' warps for a row of ``block`` (triton_elementwise): the same layout, the same sums."""
+    return min(16, max(1, block // 256))
 
 
 @triton.jit
@@ -86,7 +86,7 @@ def _norm_shrink_kernel(
         tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_DELTA:  # PEFT's order: the base output rounded, plus the delta in fp32, rounded once more
-        d = delta_of(bt, shrunk_row(d_slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT))
+        d = delta_of_row(bt, d_slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
         x = (x.to(tl.float32) + d).to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:  # the fused add: torch's x + residual (fp32 add, one rounding)
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -156,7 +156,6 @@ def norm_shrink(
             x.stride(0), res.stride(0), out.stride(0), r_out.stride(0), a0.stride(0), a0.stride(2),
             buf.stride(1), buf.stride(2), K, R, eps,
             HAS_RESIDUAL=residual is not None, NUM_RBLOCKS=n_rblocks, BLOCK=block, BLOCK_R=BLOCK_R,
-            PDL_CHAIN=chain, num_warps=num_warps(block, delta is not None), launch_pdl=chain,
-            **row_delta.kernel_args(delta, x),
+            PDL_CHAIN=chain, num_warps=num_warps(block), launch_pdl=chain, **row_delta.kernel_args(delta, x),
         )  # fmt: skip
     return out, (r_out if residual is not None else None), buf

@@ -1,9 +1,7 @@
-"""A projection's LoRA delta, added by the launch that reads the projection's output: what a decode step's
-o_proj and down can do on the GPU when their output goes straight into the residual add and norm after them
-(Llama's decoder: o -> post-attention norm, down -> the next layer's input norm, or the model's final norm),
-and qkv_proj when its output goes to the attention's rotary + KV-cache launch (``rotary_kv_cache``: each
-program adds its head's columns, q's or k's and v's). On by default (``LORASERVE_DEFER_DELTA=0`` turns it off:
-the delta in the GEMM's epilogue; ``LORASERVE_DEFER_QKV=0`` only qkv's).
+"""A row-parallel projection's LoRA delta, added by the RMSNorm that reads the projection's output: what a
+decode step's o_proj and down can do on the GPU when their output goes straight into the residual add and
+norm after them (Llama's decoder: o -> post-attention norm, down -> the next layer's input norm, or the
+model's final norm). On by default (``LORASERVE_DEFER_DELTA=0`` turns it off: the delta in the GEMM's epilogue).
 
     x'[t] = round(x[t] + sum_r B[slot(t), :, r] * s[t, r])        (x: the projection's base output)
 
@@ -31,8 +29,8 @@ shrink beside its GEMM instead of in the norm (1.344 ms, slower: that shrink too
 the GEMM's remaining time; its decoder test also failed on the GPU, not investigated).
 
 Layout: the norm's program owns one row (token); its B tile (BLOCK_R, BLOCK) sits in registers beside
-the row, so hidden sizes up to ``MAX_HIDDEN``, on twice the plain norm's warps (``norm_warps``: at 4 warps a
-1024-row's tile spilled). The rotary launch's program owns one head of one token: tiles of D columns.
+the row, so hidden sizes up to ``MAX_HIDDEN`` (a 2048 row of 16 ranks: 32K halves over the norm's 8
+warps, 64 registers a thread).
 """
 
 from __future__ import annotations
@@ -48,21 +46,17 @@ from loraserve.lora.ops.triton.utils import compute_dtype_of, sum_planes, tl_dty
 # The row-parallel projections before a norm leave their delta to it (measured faster on Qwen2.5-0.5B, session 22);
 # LORASERVE_DEFER_DELTA=0: the delta in the GEMM's epilogue, as before
 ENABLED = os.environ.get("LORASERVE_DEFER_DELTA", "1") != "0"
-# qkv's delta left to the attention's rotary launch too (session 22, measured in run_device.sh qkv22);
-# LORASERVE_DEFER_QKV=0: qkv's delta in its GEMM's epilogue
-QKV = os.environ.get("LORASERVE_DEFER_QKV", "1") != "0"
 MAX_HIDDEN = 2048  # the projection's output size (the norm's row): B's tile of a token lives in registers
 MAX_RANK = 64
 
 
-def supports(act_dtype: torch.dtype, lora_b: torch.Tensor, max_cols: int | None = MAX_HIDDEN) -> bool:
-    """Whether a reader's launch can add the delta of this B stack (S, 1, N, R) to an output (T, N) of
-    ``act_dtype``: half-precision activations and B, B contiguous per slot, R up to MAX_RANK, N up to ``max_cols``
-    (a norm's row: MAX_HIDDEN; None: no limit, for a reader whose programs take a head's columns each)."""
+def supports(act_dtype: torch.dtype, lora_b: torch.Tensor) -> bool:
+    """Whether a norm's launch can add the delta of this B stack (S, 1, N, R) to an output (T, N) of
+    ``act_dtype``: half-precision activations and B, B contiguous per slot, N up to MAX_HIDDEN, R up to MAX_RANK."""
     S, one, N, R = lora_b.shape
     return (
         one == 1
-        and (max_cols is None or N <= max_cols)
+        and N <= MAX_HIDDEN
         and R <= MAX_RANK
         and act_dtype in (torch.float16, torch.bfloat16)
         and lora_b.dtype in (torch.float16, torch.bfloat16)
@@ -71,73 +65,31 @@ def supports(act_dtype: torch.dtype, lora_b: torch.Tensor, max_cols: int | None 
 
 
 def kernel_args(delta, x: torch.Tensor) -> dict:
-    """The keyword arguments of a norm kernel's delta operands (``delta_b_tile`` / ``shrunk_row`` /
-    ``delta_of``) for ``delta`` (a one-slice ``punica.PendingDelta`` of x, or None: HAS_DELTA off, placeholders)."""
+    """The keyword arguments of a norm kernel's delta operands (``delta_b_tile`` / ``delta_of_row``) for
+    ``delta`` (a ``punica.PendingDelta`` of x, or None: HAS_DELTA off, placeholders)."""
     if delta is None:
         return dict(d_buf_ptr=x, d_b_ptr=x, d_slots_ptr=x, stride_dbs=0, stride_dsp=0, stride_dsm=0, D_P=1, D_R=1,
                     HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)  # fmt: skip
-    (b,) = delta.lora_b
-    buf = delta.buf
+    buf, b = delta.buf, delta.lora_b
     P, one, T, R = buf.shape
-    assert one == 1 and T == x.shape[0], (
-        f"the pending delta's shrink {tuple(buf.shape)} does not fit x {tuple(x.shape)}: want (P, 1, T, R)"
+    assert one == 1 and T == x.shape[0] and buf.dtype == torch.float32 and buf.stride(3) == 1, (
+        f"the pending delta's shrink {tuple(buf.shape)} {buf.dtype} does not fit x {tuple(x.shape)}: want (P, 1, T, R) fp32"
     )
     assert supports(x.dtype, b) and b.shape[2:] == (x.shape[1], R), (
         f"B {tuple(b.shape)} {b.dtype} does not fit x {tuple(x.shape)} {x.dtype} (supports())"
     )
-    return dict(d_buf_ptr=buf, d_b_ptr=b, d_slots_ptr=delta.token_slots, stride_dbs=b.stride(0), stride_dsp=buf.stride(0),
-                stride_dsm=buf.stride(2), **shrunk_consts(delta, x))  # fmt: skip
-
-
-def qkv_kernel_args(delta, q: torch.Tensor, num_kv_heads: int) -> dict:
-    """The keyword arguments of ``rotary_kv_cache``'s delta operands for ``delta`` (a ``punica.PendingDelta``
-    of the qkv projection whose output q (T, Hq, D) and its k and v (num_kv_heads each) are views of: its B
-    as three slices (q, k, v) or one over all the columns), or None (HAS_DELTA off, placeholders)."""
-    if delta is None:
-        return dict(d_buf_ptr=q, dbq_ptr=q, dbk_ptr=q, dbv_ptr=q, d_slots_ptr=q, q_col=0, k_col=0, v_col=0,
-                    stride_dbq=0, stride_dbk=0, stride_dbv=0, q_sl=0, k_sl=0, v_sl=0, stride_dsp=0, stride_dsi=0,
-                    stride_dsm=0, D_P=1, D_R=1, HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)  # fmt: skip
-    T, Hq, D = q.shape
-    nq, nk = Hq * D, num_kv_heads * D
-    bs = delta.lora_b
-    sizes = [b.shape[2] for b in bs]
-    if sizes == [nq, nk, nk]:
-        parts = [(bs[0], 0, 0), (bs[1], 0, 1), (bs[2], 0, 2)]
-    else:
-        assert sizes == [nq + 2 * nk], f"B's slices {sizes} are not q | k | v of {Hq} + 2 x {num_kv_heads} heads of {D}"
-        parts = [(bs[0], 0, 0), (bs[0], nq, 0), (bs[0], nq + nk, 0)]
-    R = delta.buf.shape[3]
-    for b in bs:
-        assert supports(q.dtype, b, None) and b.shape[3] == R and b.dtype == bs[0].dtype, (
-            f"B {tuple(b.shape)} {b.dtype} does not fit q {q.dtype} (supports())"
-        )
-    buf = delta.buf
-    (bq, q_col, q_sl), (bk, k_col, k_sl), (bv, v_col, v_sl) = parts
+    assert delta.token_slots.shape == (T,), f"token_slots {tuple(delta.token_slots.shape)} does not fit {T} tokens"
     return dict(
-        d_buf_ptr=buf, dbq_ptr=bq, dbk_ptr=bk, dbv_ptr=bv, d_slots_ptr=delta.token_slots, q_col=q_col, k_col=k_col,
-        v_col=v_col, stride_dbq=bq.stride(0), stride_dbk=bk.stride(0), stride_dbv=bv.stride(0), q_sl=q_sl, k_sl=k_sl,
-        v_sl=v_sl, stride_dsp=buf.stride(0), stride_dsi=buf.stride(1), stride_dsm=buf.stride(2),
-        **shrunk_consts(delta, q),
+        d_buf_ptr=buf, d_b_ptr=b, d_slots_ptr=delta.token_slots, stride_dbs=b.stride(0), stride_dsp=buf.stride(0),
+        stride_dsm=buf.stride(2), D_P=P, D_R=R, HAS_DELTA=True, D_BLOCK_R=max(16, triton.next_power_of_2(R)),
+        D_RED=min(triton.next_power_of_2(P), 16), D_CDT=tl_dtype(compute_dtype_of(x.dtype, b.dtype)),
     )  # fmt: skip
-
-
-def shrunk_consts(delta, x: torch.Tensor) -> dict:
-    """The constants of ``shrunk_row`` for a ``punica.PendingDelta`` of x (checked: fp32 buf, its rows x's)."""
-    buf = delta.buf
-    P, _, T, R = buf.shape
-    assert buf.dtype == torch.float32 and buf.stride(3) == 1, f"the shrink {tuple(buf.shape)} {buf.dtype}: fp32, R contiguous"
-    assert delta.token_slots.shape == (T,) and T == x.shape[0], (
-        f"token_slots {tuple(delta.token_slots.shape)} / the shrink's {T} rows do not fit x {tuple(x.shape)}"
-    )
-    return dict(D_P=P, D_R=R, HAS_DELTA=True, D_BLOCK_R=max(16, triton.next_power_of_2(R)),
-                D_RED=min(triton.next_power_of_2(P), 16),
-                D_CDT=tl_dtype(compute_dtype_of(x.dtype, delta.lora_b[0].dtype)))  # fmt: skip
 
 
 @triton.jit
 def delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK_R: tl.constexpr):
-    """(slot of the row, B[slot]^T at columns ``offs`` as a (D_BLOCK_R, len(offs)) tile): zeros past R and for a
-    base token (slot -1). Weights and the mapping: a PDL link loads them before its wait."""
+    """(slot of the row, B[slot]^T as a (D_BLOCK_R, BLOCK) tile): zeros past R and for a base token (slot
+    -1). Weights and the mapping: a PDL link loads them before its wait."""
     slot = tl.load(d_slots_ptr + row).to(tl.int32)
     offs_r = tl.arange(0, D_BLOCK_R)
     ptrs = d_b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_dbs + offs[None, :] * D_R + offs_r[:, None]
@@ -146,17 +98,13 @@ def delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK
 
 
 @triton.jit
-def shrunk_row(slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr,
-               D_CDT: tl.constexpr):  # fmt: skip
-    """s[row] (D_BLOCK_R,) fp32: the sum of the shrink's D_P planes (fp32, in plane order) rounded to the
-    products' dtype D_CDT; zeros for a base token, whose row the shrink leaves unwritten (never read)."""
+def delta_of_row(bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R: tl.constexpr,
+              D_RED: tl.constexpr, D_CDT: tl.constexpr):  # fmt: skip
+    """The row's delta (BLOCK,) fp32: B[slot] s[row], s the sum of the shrink's D_P planes (fp32, in plane
+    order) rounded to the products' dtype D_CDT; zero for a base token, whose s row is never read (the
+    shrink leaves it unwritten)."""
     offs_r = tl.arange(0, D_BLOCK_R)
     s_mask = (offs_r < D_R) & (slot >= 0)
     s = sum_planes(d_buf_ptr + row * stride_dsm + offs_r, s_mask, D_P, stride_dsp, D_RED, False)
-    return s.to(D_CDT).to(tl.float32)
-
-
-@triton.jit
-def delta_of(bt, s):
-    """B[slot] s at bt's columns (fp32): bt from ``delta_b_tile``, s from ``shrunk_row``."""
+    s = s.to(D_CDT).to(tl.float32)
     return tl.sum(bt.to(tl.float32) * s[:, None], axis=0)
