@@ -8,6 +8,7 @@ installed (the CPU machine too); nothing here is timed.
 
     python benchmarks/gpu/kernel_resources.py
     python benchmarks/gpu/kernel_resources.py --norm-shrink   # lora/ops/triton/norm_shrink.py's kernel
+    python benchmarks/gpu/kernel_resources.py --norm-delta    # the norms with a pending LoRA delta (row_delta.py)
 """
 
 from __future__ import annotations
@@ -110,11 +111,44 @@ def norm_shrink_resources() -> None:
         print(f"| {K} | {adt[1:]} | {warps} | {ns.BLOCK_R} | {regs} | {stack} |", flush=True)
 
 
+def norm_delta_resources() -> None:
+    """The add + norm kernels (``fused_add_rms_norm``, ``norm_shrink``) with and without a pending LoRA delta
+    (``row_delta``: a token's B tile of 16 ranks by the row, fp16 B, bf16 x) at the warps they launch with,
+    and at twice as many."""
+    from loraserve.layers import triton_elementwise as tew
+    from loraserve.lora.ops.triton import norm_shrink as ns
+
+    delta_ptrs = dict(d_buf_ptr="*fp32", d_b_ptr="*fp16", d_slots_ptr="*i32")
+    rows = ("x_ptr", "r_ptr", "w_ptr", "out_ptr", "r_out_ptr")
+    print("| kernel | K | delta | warps | registers | spill bytes |")
+    print("|---|---:|---|---:|---:|---:|")
+    for K in (576, 896, 2048):
+        block = triton.next_power_of_2(K)
+        for has_delta in (False, True):
+            d_consts = dict(HAS_DELTA=has_delta, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)
+            kernels = [
+                ("fused_add_rms_norm", tew._fused_add_rms_norm_kernel, dict.fromkeys(rows, "*bf16"),
+                 dict(BLOCK=block, PDL_CHAIN=True)),
+                ("norm_shrink (qkv)", ns._norm_shrink_kernel,
+                 {**dict.fromkeys(rows, "*bf16"), **dict.fromkeys(("a0_ptr", "a1_ptr", "a2_ptr"), "*fp16"),
+                  "buf_ptr": "*fp32", "slots_ptr": "*i64", "rank_ptr": "*i32"},
+                 dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True)),
+            ]  # fmt: skip
+            for name, fn, ptrs, consts in kernels:
+                for warps in (ns.num_warps(block), 2 * ns.num_warps(block)):
+                    k = compile_as_launched(fn, {**ptrs, **delta_ptrs}, {**consts, **d_consts}, set(), dict(num_warps=warps))
+                    regs, stack = registers_and_stack(k)
+                    print(f"| {name} | {K} | {'yes' if has_delta else 'no'} | {warps} | {regs} | {stack} |", flush=True)
+
+
 def main() -> None:
     import sys
 
     if "--norm-shrink" in sys.argv:
         norm_shrink_resources()
+        return
+    if "--norm-delta" in sys.argv:
+        norm_delta_resources()
         return
     print("| op | LoRA B | epilogue columns per MMA | register cap | registers | spill bytes | shared KB | programs per SM (regs, smem) | programs | waves |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -29,8 +29,13 @@ shrink beside its GEMM instead of in the norm (1.344 ms, slower: that shrink too
 the GEMM's remaining time; its decoder test also failed on the GPU, not investigated).
 
 Layout: the norm's program owns one row (token); its B tile (BLOCK_R, BLOCK) sits in registers beside
-the row, so hidden sizes up to ``MAX_HIDDEN`` (a 2048 row of 16 ranks: 32K halves over the norm's 8
-warps, 64 registers a thread).
+the row, so hidden sizes up to ``MAX_HIDDEN``. NOTE: compiled for sm_90 at the norms' warps (4 for a row of
+1024) the kernels with the delta take 255 registers and spill 88-120 bytes a thread, at twice the warps
+80 (fused_add_rms_norm) and 172 (norm_shrink) with no spill (``benchmarks/gpu/kernel_resources.py
+--norm-delta``; B's tile transposed changes nothing). Twice the warps is another order of the variance's sum,
+so the norm's bits would differ from the plain norm kernels'; session 22 tried it together with qkv's delta in
+the rotary launch (commit b8b054c) and reverted both: that rotary launch failed its GPU test at head_dim 32
+and the tiny Llama's decoder test, and the step was not clearly faster (replay 1.33 vs 1.35 ms).
 """
 
 from __future__ import annotations
