@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from loraserve.lora.ops.triton import row_delta
-from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of_row
+from loraserve.lora.ops.triton.row_delta import delta_b_tile, plus_delta
 from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, tl_dtype
 
 
@@ -89,9 +89,8 @@ def _fused_add_rms_norm_kernel(
         if PDL_CHAIN:
             tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_DELTA:  # PEFT's order: the base output rounded, plus the delta in fp32, rounded once more
-        d = delta_of_row(bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
-        x = (x.to(tl.float32) + d).to(x_ptr.dtype.element_ty)
+    if HAS_DELTA:
+        x = plus_delta(x, bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
     x = x.to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(r_out_ptr.dtype.element_ty)  # torch's x + residual: fp32 add, one rounding

@@ -131,13 +131,10 @@ class TritonLoRAOps:
                 return None
         if tiles is None:
             return None
-        if shrunk is not None:
-            buf, pdl = shrunk, False
-        else:
-            own = self._decode_shrink(x, lora_a_stacked, ranks, meta)
-            if own is None:
-                return None if then_silu_and_mul else decode.decode_linear(x, weight, bias, tiles=tiles)
-            buf, pdl = own
+        shrink = self._shrink_for(x, lora_a_stacked, ranks, meta, shrunk)
+        if shrink is None:
+            return None if then_silu_and_mul else decode.decode_linear(x, weight, bias, tiles=tiles)
+        buf, pdl = shrink
         if then_silu_and_mul:
             y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
             down = None
@@ -192,15 +189,10 @@ class TritonLoRAOps:
         if not row_delta.ENABLED or len(lora_b_stacked) != 1 or not row_delta.supports(x.dtype, lora_b_stacked[0]):
             return None
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
-        if tiles is None:
+        shrink = None if tiles is None else self._shrink_for(x, lora_a_stacked, ranks, meta, shrunk)
+        if shrink is None:
             return None
-        if shrunk is not None:
-            buf, pdl = shrunk, False
-        else:
-            own = self._decode_shrink(x, lora_a_stacked, ranks, meta)
-            if own is None:
-                return None
-            buf, pdl = own
+        buf, pdl = shrink
         y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
         return y, PendingDelta(buf, lora_b_stacked[0], token_slots)
 
@@ -221,6 +213,14 @@ class TritonLoRAOps:
         slices = tuple(b.shape[2] for b in lora_b_stacked)
         tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
         return tiles if decode.supports(x, weight, slices, tiles) else None
+
+    def _shrink_for(self, x, lora_a_stacked, ranks, meta, shrunk) -> tuple[torch.Tensor, bool] | None:
+        """(buf, whether the GEMM is its PDL dependent) of a fused decode path: ``shrunk`` (x's shrink, computed by
+        the launch that wrote x: the GEMM is an ordinary link after it), else a shrink launch of its own
+        (``_decode_shrink``); None when no slot has a rank."""
+        if shrunk is not None:
+            return shrunk, False
+        return self._decode_shrink(x, lora_a_stacked, ranks, meta)
 
     def _decode_shrink(self, x, lora_a_stacked, ranks, meta) -> tuple[torch.Tensor, bool] | None:
         """The shrink of a decode-size fused path: (buf, whether the next launch is its PDL dependent), or

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from loraserve.layers.triton_elementwise import rms_norm_row
 from loraserve.lora.ops.triton import row_delta
-from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of_row
+from loraserve.lora.ops.triton.row_delta import delta_b_tile, plus_delta
 from loraserve.lora.ops.triton.utils import pdl_chain, slice_ptr, tl_dtype
 
 # The decode step's norms compute the shrink of the LoRA'd projection they feed; LORASERVE_NORM_SHRINK=0: the
@@ -85,9 +85,8 @@ def _norm_shrink_kernel(
     if PDL_CHAIN:
         tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_DELTA:  # PEFT's order: the base output rounded, plus the delta in fp32, rounded once more
-        d = delta_of_row(bt, d_slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
-        x = (x.to(tl.float32) + d).to(x_ptr.dtype.element_ty)
+    if HAS_DELTA:
+        x = plus_delta(x, bt, d_slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
     if HAS_RESIDUAL:  # the fused add: torch's x + residual (fp32 add, one rounding)
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r_out_ptr.dtype.element_ty)

@@ -70,7 +70,7 @@ def supports(act_dtype: torch.dtype, lora_b: torch.Tensor) -> bool:
 
 
 def kernel_args(delta, x: torch.Tensor) -> dict:
-    """The keyword arguments of a norm kernel's delta operands (``delta_b_tile`` / ``delta_of_row``) for
+    """The keyword arguments of a norm kernel's delta operands (``delta_b_tile`` / ``plus_delta``) for
     ``delta`` (a ``punica.PendingDelta`` of x, or None: HAS_DELTA off, placeholders)."""
     if delta is None:
         return dict(d_buf_ptr=x, d_b_ptr=x, d_slots_ptr=x, stride_dbs=0, stride_dsp=0, stride_dsm=0, D_P=1, D_R=1,
@@ -103,13 +103,14 @@ def delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK
 
 
 @triton.jit
-def delta_of_row(bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R: tl.constexpr,
-              D_RED: tl.constexpr, D_CDT: tl.constexpr):  # fmt: skip
-    """The row's delta (BLOCK,) fp32: B[slot] s[row], s the sum of the shrink's D_P planes (fp32, in plane
-    order) rounded to the products' dtype D_CDT; zero for a base token, whose s row is never read (the
-    shrink leaves it unwritten)."""
+def plus_delta(x, bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R: tl.constexpr,
+               D_RED: tl.constexpr, D_CDT: tl.constexpr):  # fmt: skip
+    """x (the row, its storage dtype) + B[slot] s[row], rounded once to x's dtype (PEFT's order: the base output
+    rounded, the delta added in fp32). s: the sum of the shrink's D_P planes (fp32, in plane order) rounded to
+    the products' dtype D_CDT; bt from ``delta_b_tile``. A base token adds zero: its s row, which the shrink
+    leaves unwritten, is never read."""
     offs_r = tl.arange(0, D_BLOCK_R)
     s_mask = (offs_r < D_R) & (slot >= 0)
     s = sum_planes(d_buf_ptr + row * stride_dsm + offs_r, s_mask, D_P, stride_dsp, D_RED, False)
     s = s.to(D_CDT).to(tl.float32)
-    return tl.sum(bt.to(tl.float32) * s[:, None], axis=0)
+    return (x.to(tl.float32) + tl.sum(bt.to(tl.float32) * s[:, None], axis=0)).to(x.dtype)
