@@ -65,8 +65,8 @@ class _Feeds(torch.nn.Module):
         super().__init__()
         self.result, self.calls = result, []
 
-    def fuse_norm(self, x, residual, weight, eps):
-        self.calls.append((x, residual, eps))
+    def fuse_norm(self, x, residual, weight, eps, delta=None):
+        self.calls.append((x, residual, eps) if delta is None else (x, residual, eps, delta))
         return self.result
 
 
@@ -82,7 +82,7 @@ def test_a_norm_hands_itself_to_the_layer_it_feeds_only_on_the_triton_path(monke
     assert torch.equal(norm(x, r, feeds=taker)[0], want_out) and not taker.calls, "CPU tensors: the norm runs here"
     monkeypatch.setattr(norm_mod, "on_triton", lambda t: True)
     # the Triton add + norm, stood in for by torch's (this test runs without triton)
-    kernels = types.SimpleNamespace(fused_add_rms_norm=lambda x, r, w, eps: (rms_norm_torch(x + r, w, eps), x + r))
+    kernels = types.SimpleNamespace(fused_add_rms_norm=lambda x, r, w, eps, delta=None: (rms_norm_torch(x + r, w, eps), x + r))
     monkeypatch.setattr(norm_mod, "elementwise_kernels", lambda: kernels)
     assert norm(x, r, feeds=taker) == ("fused", "pair") and taker.calls == [(x, r, 1e-5)]
     decliner = _Feeds(None)
@@ -93,3 +93,52 @@ def test_a_norm_hands_itself_to_the_layer_it_feeds_only_on_the_triton_path(monke
     taker.calls.clear()
     out, res = norm(x, r, feeds=taker)
     assert not taker.calls and torch.equal(out, want_out) and torch.equal(res, want_res)
+
+
+class _Delta:
+    """A stand-in for ``punica.PendingDelta``: ``add_to`` adds a constant (the torch path a reader falls back to)."""
+
+    def add_to(self, y):
+        return y + 0.5
+
+
+def test_a_norm_takes_the_delta_left_to_it(monkeypatch):
+    """An output whose projection deferred its LoRA delta (forward_context.defer_delta): the norm reading it takes
+    the delta, in its kernel's launch where it can (the residual add on the Triton path: the delta handed to the
+    kernel and to a fusing layer), else added in torch first; a norm of another tensor leaves it, and a delta
+    nobody takes is an error when the forward ends."""
+    import types
+
+    import loraserve.layers.norm as norm_mod
+    from loraserve.forward_context import defer_delta, forward_context
+
+    norm = RMSNorm(32, 1e-5)
+    x, r = torch.randn(4, 32), torch.randn(4, 32)
+    want_out, want_res = norm(x + 0.5, r)
+    delta = _Delta()
+    with forward_context():
+        defer_delta(x, delta)
+        out, res = norm(x, r)  # CPU tensors: torch's add_to, then the norm
+    assert torch.equal(out, want_out) and torch.equal(res, want_res)
+    with pytest.raises(RuntimeError, match="never taken"), forward_context():
+        defer_delta(x, delta)
+        norm(x.clone(), r)  # another tensor: not x's reader
+    monkeypatch.setattr(norm_mod, "on_triton", lambda t: True)
+    handed = []
+    kernels = types.SimpleNamespace(
+        fused_add_rms_norm=lambda x, r, w, eps, delta=None: handed.append(delta) or (rms_norm_torch(x + r, w, eps), x + r),
+        rms_norm=rms_norm_torch,
+    )
+    monkeypatch.setattr(norm_mod, "elementwise_kernels", lambda: kernels)
+    taker = _Feeds(("fused", "pair"))
+    with forward_context():
+        defer_delta(x, delta)
+        assert norm(x, r, feeds=taker) == ("fused", "pair") and taker.calls == [(x, r, 1e-5, delta)]
+    with forward_context():
+        defer_delta(x, delta)
+        norm(x, r, feeds=_Feeds(None))
+    assert handed == [delta], "a declining layer: the add + norm kernel gets the delta"
+    with forward_context():
+        defer_delta(x, delta)
+        out = norm(x)  # no residual: no kernel takes it, added in torch first
+    assert torch.equal(out, rms_norm_torch(x + 0.5, norm.weight, 1e-5))
