@@ -66,6 +66,33 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
+# Helpers of the stages since session 19. Every output goes to one file per kind under $OUT (few files come back
+# from a device call: step_trace's per-kernel files go under /tmp).
+gpu_tests() {  # every GPU test; $1: its timeout
+    timeout "$1" python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | grep "passed\|failed\|FAILED\|Error" | tail -12 | tee -a "$OUT/gpu_tests.txt"
+}
+new_tests() {  # some GPU tests; $1: their timeout, then pytest's arguments
+    local limit=$1
+    shift
+    timeout "$limit" python3 -m pytest -o addopts= -q -p no:cacheprovider "$@" 2>&1 | tail -8 | tee -a "$OUT/new_tests.txt"
+}
+e2e_per_setting() {  # bench_e2e without HF once per setting; $1: timeout, $2: shapes ("": both), then the settings ("": defaults)
+    local limit=$1 shapes=$2
+    shift 2
+    for knobs in "$@"; do
+        echo "### bench_e2e ${shapes:-both shapes}: ${knobs:-default}" | tee -a "$OUT/e2e.txt"
+        env $knobs timeout "$limit" python3 benchmarks/gpu/bench_e2e.py ${shapes:+--shapes "$shapes"} --skip-hf 2>&1 | grep "^| \|replay\|parity max\|greedy ids" | tee -a "$OUT/e2e.txt"
+    done
+}
+trace_per_setting() {  # step_trace once per setting; $1: timeout, $2: the shape, then the settings ("": defaults)
+    local limit=$1 shape=$2
+    shift 2
+    for knobs in "$@"; do
+        name=$(echo "${knobs:-default}" | tr ' =,' '___')
+        echo "### step_trace $shape: ${knobs:-default}" | tee -a "$OUT/step_trace_$shape.txt"
+        env $knobs timeout "$limit" python3 benchmarks/gpu/step_trace.py --shapes "$shape" --out "/tmp/traces_${shape}_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_$shape.txt" | grep "graph replay"
+    done
+}
 for stage in "$@"; do
     start=$SECONDS
     case "$stage" in
@@ -218,102 +245,55 @@ for stage in "$@"; do
             timeout 200 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
             ;;
         norm19)
-            timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
-            for knobs in "LORASERVE_NORM_SHRINK=0" "" "LORASERVE_SHRINK_DECODE_BLOCK_K=1024,512 LORASERVE_SHRINK_FUSE_DECODE=0"; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                echo "### step_trace qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/step_trace.txt"
-                env $knobs timeout 100 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace.txt" | grep "graph replay"
-            done
+            gpu_tests 240
+            trace_per_setting 100 qwen2.5-0.5b "LORASERVE_NORM_SHRINK=0" "" "LORASERVE_SHRINK_DECODE_BLOCK_K=1024,512 LORASERVE_SHRINK_FUSE_DECODE=0"
             ;;
         trace8b)
-            for knobs in "LORASERVE_NORM_SHRINK=0" ""; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                echo "### step_trace llama-3.1-8b: ${knobs:-default}" | tee -a "$OUT/step_trace_8b.txt"
-                env $knobs timeout 250 python3 benchmarks/gpu/step_trace.py --shapes llama-3.1-8b --out "$OUT/traces8b_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_8b.txt" | grep "graph replay"
-            done
+            trace_per_setting 250 llama-3.1-8b "LORASERVE_NORM_SHRINK=0" ""
             ;;
         e2e19)
-            for knobs in "LORASERVE_NORM_SHRINK=0" ""; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                env $knobs timeout 270 python3 benchmarks/gpu/bench_e2e.py --skip-hf --json "$OUT/e2e_$name.json" 2>&1 | tee "$OUT/e2e_$name.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
-            done
+            e2e_per_setting 270 "" "LORASERVE_NORM_SHRINK=0" ""
             ;;
         fuse21)
-            timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider -x tests/gpu/test_gated_lora.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py 2>&1 | tail -8 | tee "$OUT/new_tests.txt"
-            timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
-            for knobs in "" "LORASERVE_GATED_SHRINK=1" "LORASERVE_ATTN_SHRINK=1" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                echo "### step_trace qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/step_trace.txt"
-                env $knobs timeout 100 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace.txt" | grep "graph replay"
-            done
+            new_tests 150 tests/gpu/test_gated_lora.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py
+            gpu_tests 240
+            trace_per_setting 100 qwen2.5-0.5b "" "LORASERVE_GATED_SHRINK=1" "LORASERVE_ATTN_SHRINK=1" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"
             ;;
         e2e21)
-            for knobs in "" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                env $knobs timeout 200 python3 benchmarks/gpu/bench_e2e.py --skip-hf --json "$OUT/e2e_$name.json" 2>&1 | tee "$OUT/e2e_$name.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
-            done
+            e2e_per_setting 200 "" "" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"
             ;;
         all21)
             # one call's worth, most wanted first: the new kernels' tests, the Qwen-0.5B step (trace, then bench_e2e) with the
             # fused shrinks of down and o off (the default) and on, then every GPU test
-            timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider -x tests/gpu/test_gated_lora.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py 2>&1 | tail -8 | tee "$OUT/new_tests.txt"
-            for knobs in "" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                echo "### step_trace qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/step_trace.txt"
-                env $knobs timeout 80 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace.txt" | grep "graph replay"
-            done
-            for knobs in "" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                env $knobs timeout 90 python3 benchmarks/gpu/bench_e2e.py --shapes qwen2.5-0.5b --skip-hf --json "$OUT/e2e_$name.json" 2>&1 | tee "$OUT/e2e_$name.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
-            done
-            timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
+            new_tests 120 tests/gpu/test_gated_lora.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py
+            trace_per_setting 80 qwen2.5-0.5b "" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"
+            e2e_per_setting 90 qwen2.5-0.5b "" "LORASERVE_GATED_SHRINK=1 LORASERVE_ATTN_SHRINK=1"
+            gpu_tests 240
             ;;
         attn21)
             # o's shrink in the decode attention, second form (A before the wait, one MMA, per-KV-head planes that o's
             # GEMM sums): its tests, then off (the default) and on: bench_e2e Qwen-0.5B, step_trace Llama-8B
-            timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py tests/gpu/test_gated_lora.py 2>&1 | tail -8 | tee "$OUT/new_tests.txt"
-            for knobs in "" "LORASERVE_ATTN_SHRINK=1"; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                env $knobs timeout 90 python3 benchmarks/gpu/bench_e2e.py --shapes qwen2.5-0.5b --skip-hf --json "$OUT/e2e_$name.json" 2>&1 | tee "$OUT/e2e_$name.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
-            done
-            for knobs in "" "LORASERVE_ATTN_SHRINK=1"; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                echo "### step_trace llama-3.1-8b: ${knobs:-default}" | tee -a "$OUT/step_trace_8b.txt"
-                env $knobs timeout 100 python3 benchmarks/gpu/step_trace.py --shapes llama-3.1-8b --out "/tmp/traces8b_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_8b.txt" | grep "graph replay"
-            done
+            new_tests 120 tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py tests/gpu/test_gated_lora.py
+            e2e_per_setting 90 qwen2.5-0.5b "" "LORASERVE_ATTN_SHRINK=1"
+            trace_per_setting 100 llama-3.1-8b "" "LORASERVE_ATTN_SHRINK=1"
             ;;
         defer22)
             # o's and down's delta left to the norm after them (row_delta, then opt-in: LORASERVE_DEFER_DELTA=1) and o's shrink in
             # attention (second form, LORASERVE_ATTN_SHRINK=1): their tests, then bench_e2e Qwen-0.5B for each
             # setting and step_trace's Qwen-0.5B timeline for the default and the deferred delta
-            timeout 200 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 4 tests/gpu/test_row_delta.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py 2>&1 | tail -8 | tee "$OUT/new_tests.txt"
-            for knobs in "" "LORASERVE_DEFER_DELTA=1" "LORASERVE_ATTN_SHRINK=1" "LORASERVE_DEFER_DELTA=1 LORASERVE_ATTN_SHRINK=1"; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                env $knobs timeout 90 python3 benchmarks/gpu/bench_e2e.py --shapes qwen2.5-0.5b --skip-hf --json "$OUT/e2e_$name.json" 2>&1 | tee "$OUT/e2e_$name.txt" | grep -A8 "^| model\|parity max\|greedy ids\|replay"
-            done
-            for knobs in "" "LORASERVE_DEFER_DELTA=1"; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                echo "### step_trace qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/step_trace_qwen.txt"
-                env $knobs timeout 90 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "/tmp/tracesq_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_qwen.txt" | grep "graph replay"
-            done
+            new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
+            e2e_per_setting 90 qwen2.5-0.5b "" "LORASERVE_DEFER_DELTA=1" "LORASERVE_ATTN_SHRINK=1" "LORASERVE_DEFER_DELTA=1 LORASERVE_ATTN_SHRINK=1"
+            trace_per_setting 90 qwen2.5-0.5b "" "LORASERVE_DEFER_DELTA=1"
             ;;
         final22)
             # the default with o's and down's delta in the norms (row_delta, on since session 22): every GPU test, then
             # bench_e2e Qwen-0.5B off (LORASERVE_DEFER_DELTA=0) and on, and Llama-8B (which row_delta does not take)
-            timeout 240 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 8 tests/gpu 2>&1 | grep "passed\|failed\|FAILED\|Error" | tail -12 | tee "$OUT/tests.txt"
-            for knobs in "LORASERVE_DEFER_DELTA=0" ""; do
-                echo "### bench_e2e qwen2.5-0.5b: ${knobs:-default}" | tee -a "$OUT/e2e.txt"
-                env $knobs timeout 90 python3 benchmarks/gpu/bench_e2e.py --shapes qwen2.5-0.5b --skip-hf 2>&1 | grep "^| qwen\|replay\|parity max\|greedy ids" | tee -a "$OUT/e2e.txt"
-            done
-            echo "### bench_e2e llama-3.1-8b: default" | tee -a "$OUT/e2e.txt"
-            timeout 150 python3 benchmarks/gpu/bench_e2e.py --shapes llama-3.1-8b --skip-hf 2>&1 | grep "^| llama\|replay\|parity max\|greedy ids" | tee -a "$OUT/e2e.txt"
+            gpu_tests 240
+            e2e_per_setting 90 qwen2.5-0.5b "LORASERVE_DEFER_DELTA=0" ""
+            e2e_per_setting 150 llama-3.1-8b ""
             ;;
         trace8b21)
-            for knobs in "" "LORASERVE_ATTN_SHRINK=1"; do
-                name=$(echo "${knobs:-default}" | tr ' =,' '___')
-                echo "### step_trace llama-3.1-8b: ${knobs:-default}" | tee -a "$OUT/step_trace_8b.txt"
-                env $knobs timeout 120 python3 benchmarks/gpu/step_trace.py --shapes llama-3.1-8b --out "$OUT/traces8b_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_8b.txt" | grep "graph replay"
-            done
+            trace_per_setting 120 llama-3.1-8b "" "LORASERVE_ATTN_SHRINK=1"
             ;;
         steptrace)
             timeout 240 python3 benchmarks/gpu/step_trace.py --out "$OUT/step_traces" 2>&1 | grep -v Warn | tee "$OUT/step_trace.txt"
