@@ -58,6 +58,8 @@
 #                                               their tests, bench_e2e Qwen-0.5B per setting, step_trace Qwen-0.5B
 #   bash benchmarks/gpu/run_device.sh final22   # every GPU test, bench_e2e Qwen-0.5B with o's/down's delta in the norms off and on,
 #                                               and Llama-8B
+#   bash benchmarks/gpu/run_device.sh gemm23    # o's and down's shrink in their GEMM (extra column blocks) off and on: its tests,
+#                                               bench_e2e and step_trace Qwen-0.5B per setting, every GPU test
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -291,6 +293,14 @@ for stage in "$@"; do
             gpu_tests 240
             e2e_per_setting 90 qwen2.5-0.5b "LORASERVE_DEFER_DELTA=0" ""
             e2e_per_setting 150 llama-3.1-8b ""
+            ;;
+        gemm23)
+            # o's and down's shrink as their GEMM's extra column blocks (row_delta.GEMM_SHRINK, on by default; =0: the shrink
+            # launch of session 22): the tests of the kernels it touches, bench_e2e Qwen-0.5B both ways, step_trace both ways
+            new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
+            e2e_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" ""
+            trace_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" ""
+            gpu_tests 240
             ;;
         trace8b21)
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_ATTN_SHRINK=1"

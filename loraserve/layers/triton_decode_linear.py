@@ -325,6 +325,82 @@ def _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws
     prefetch_l2(b_ptr + j.to(tl.int64) * stride_ws + n_loc0 * R + (offs % PF_LINES) * per_line)
 
 
+@triton.jit
+def _k_loop(x_ptr, w_ptr, row0, N, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, b1_ptr, b2_ptr, stride_ws0,
+            stride_ws1, stride_ws2, N0, N1, S, R: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+            CDT: tl.constexpr, IEEE: tl.constexpr, PF_AHEAD: tl.constexpr, PF_SLOTS: tl.constexpr,
+            PF_LINES: tl.constexpr):  # fmt: skip
+    """acc (BLOCK_N, BLOCK_M) fp32 = rows [row0, row0 + BLOCK_N) of w (N rows) times x^T over K in [k_lo, k_hi),
+    products in CDT; (PF_AHEAD) PF_AHEAD steps before the end, pull the epilogue's B into L2."""
+    pid_n = row0 // BLOCK_N
+    offs_n = row0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PF_AHEAD > 0:  # the K step at which this program pulls its epilogue's B into L2
+        k_pf = k_lo + tl.maximum(tl.cdiv(k_hi - k_lo, BLOCK_K) - PF_AHEAD, 0) * BLOCK_K
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if PF_AHEAD > 0:
+            if k == k_pf:
+                _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S,
+                            R, NUM_SLICES, BLOCK_N, PF_SLOTS, PF_LINES)  # fmt: skip
+        if EVEN_K:
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k + offs_k) < k_hi
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += dot_in(w, tl.trans(xt), CDT, IEEE)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _store_shrink(acc, row0, s_ptr, M, stride_sm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The shrink's columns [row0, row0 + BLOCK_N) of every token: acc (BLOCK_N, BLOCK_M) fp32, stored unrounded."""
+    offs_n = row0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    tl.store(s_ptr + offs_m[None, :] * stride_sm + offs_n[:, None], acc, mask=(offs_m < M)[None, :])
+
+
+@triton.jit
+def _finish(acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, s_ptr, NB_W, stride_sm, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
+            slots_ptr, S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+            R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SHRINK: tl.constexpr,
+            NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+            SLOTS_PER_CHUNK: tl.constexpr, RED: tl.constexpr, LORA_CDT: tl.constexpr, LORA_IEEE: tl.constexpr,
+            USE_PDL: tl.constexpr):  # fmt: skip
+    """A column block's complete acc: the shrink's columns stored as they are (HAS_SHRINK, blocks past W's),
+    or W's through ``_epilogue``."""
+    if HAS_SHRINK:
+        if pid_n >= NB_W:
+            _store_shrink(acc, (pid_n - NB_W) * BLOCK_N, s_ptr, M, stride_sm, BLOCK_M, BLOCK_N)
+        else:
+            _epilogue(
+                acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
+                S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+                R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
+                LORA_CDT, LORA_IEEE, USE_PDL,
+            )  # fmt: skip
+    else:
+        _epilogue(
+            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
+            S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+            R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
+            LORA_CDT, LORA_IEEE, USE_PDL,
+        )  # fmt: skip
+
+
 # NOTE: sizes are specialized (not do_not_specialize): Triton then knows K and the strides are multiples
 # of 16 and vectorizes the loads; only M (the token count) is a runtime value.
 @triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
@@ -342,6 +418,12 @@ def _decode_linear_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    # the shrink's columns (HAS_SHRINK; else placeholders): A (NA, K) stacked over slots and ranks, s (M, NA) fp32
+    a_ptr,
+    s_ptr,
+    NB_W,  # column blocks of W (cdiv(N, BLOCK_N)); blocks past them are the shrink's
+    NA,  # the shrink's columns, a multiple of BLOCK_N (0 without HAS_SHRINK)
+    stride_sm,
     # LoRA expand epilogue (unused when not HAS_LORA)
     buf_ptr,
     b0_ptr,
@@ -361,6 +443,9 @@ def _decode_linear_kernel(
     R: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    HAS_SHRINK: tl.constexpr,  # extra programs compute x A^T (``shrink_into``), beside W's
+    A_CDT: tl.constexpr,  # (HAS_SHRINK) the dtype of the products with A (``compute_dtype_of(x, A)``)
+    A_IEEE: tl.constexpr,
     NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -392,40 +477,26 @@ def _decode_linear_kernel(
         pid_n = pid // SPLIT_W
         k_lo = (pid % SPLIT_W) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if PF_AHEAD > 0:  # the K step at which this program pulls its epilogue's B into L2
-        k_pf = k_lo + tl.maximum(tl.cdiv(k_hi - k_lo, BLOCK_K) - PF_AHEAD, 0) * BLOCK_K
-    for k in range(k_lo, k_hi, BLOCK_K):
-        if PF_AHEAD > 0:
-            if k == k_pf:
-                _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S,
-                            R, NUM_SLICES, BLOCK_N, PF_SLOTS, PF_LINES)  # fmt: skip
-        if EVEN_K:
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+    if HAS_SHRINK:
+        if pid_n >= NB_W:  # a block of the shrink's columns: x A^T over every slot's ranks (A's products)
+            acc = _k_loop(x_ptr, a_ptr, (pid_n - NB_W) * BLOCK_N, NA, k_lo, k_hi, M, stride_xm, K, b0_ptr, b1_ptr,
+                          b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R, NUM_SLICES, BLOCK_M, BLOCK_N,
+                          BLOCK_K, EVEN_K, True, A_CDT, A_IEEE, 0, PF_SLOTS, PF_LINES)  # fmt: skip
         else:
-            k_mask = (k + offs_k) < k_hi
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += dot_in(w, tl.trans(xt), CDT, IEEE)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+            acc = _k_loop(x_ptr, w_ptr, pid_n * BLOCK_N, N, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, b1_ptr,
+                          b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R, NUM_SLICES, BLOCK_M, BLOCK_N,
+                          BLOCK_K, EVEN_K, EVEN_N, CDT, IEEE, PF_AHEAD, PF_SLOTS, PF_LINES)  # fmt: skip
+    else:
+        acc = _k_loop(x_ptr, w_ptr, pid_n * BLOCK_N, N, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, b1_ptr, b2_ptr,
+                      stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_K,
+                      EVEN_K, EVEN_N, CDT, IEEE, PF_AHEAD, PF_SLOTS, PF_LINES)  # fmt: skip
 
     if SPLIT_W == 1:
-        _epilogue(
-            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
-            S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-            R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
+        _finish(
+            acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, s_ptr, NB_W, stride_sm, buf_ptr, b0_ptr, b1_ptr, b2_ptr,
+            slots_ptr, S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
+            R, HAS_BIAS, HAS_LORA, HAS_SHRINK, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
             LORA_CDT, LORA_IEEE, USE_PDL,
         )  # fmt: skip
     else:
@@ -435,7 +506,7 @@ def _decode_linear_kernel(
         # at GPU scope publishes them; the last arrival reads the planes past L1 (.cg), which is not
         # coherent across SMs, and puts the counter back to zero for the next launch.
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
-        plane = tl.cdiv(N, BLOCK_N) * (BLOCK_N * BLOCK_M)  # elements of one split's plane
+        plane = (NB_W + NA // BLOCK_N) * (BLOCK_N * BLOCK_M)  # elements of one split's plane
         tl.store(ws_ptr + (pid % SPLIT_W) * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, acc)
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -444,11 +515,11 @@ def _decode_linear_kernel(
             for sp in tl.static_range(SPLIT_W):
                 total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            _epilogue(
-                total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
-                S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-                R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-                LORA_CDT, LORA_IEEE, USE_PDL,
+            _finish(
+                total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, s_ptr, NB_W, stride_sm, buf_ptr, b0_ptr, b1_ptr,
+                b2_ptr, slots_ptr, S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1,
+                stride_ws2, R, HAS_BIAS, HAS_LORA, HAS_SHRINK, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
+                SLOTS_PER_CHUNK, RED, LORA_CDT, LORA_IEEE, USE_PDL,
             )  # fmt: skip
     if USE_PDL:
         if not HAS_LORA:
@@ -487,6 +558,7 @@ def decode_linear(
     lora: ExpandEpilogue | None = None,
     tiles: DecodeTiles | None = None,
     after_shrink: bool = False,
+    shrink_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ weight (N, K)^T (+ bias) (+ the LoRA delta of ``lora``), in x's dtype.
 
@@ -494,6 +566,9 @@ def decode_linear(
     ``after_shrink`` (no ``lora``): launched as the PDL dependent of a ``lora_shrink`` of x whose output
     the next kernel reads (``gated_lora``): x is read at once (the shrink waited for it) and each program
     waits for the shrink before it ends.
+    ``shrink_into`` (a, s) (no ``lora``, not ``after_shrink``): the same launch also writes s (M, NA) fp32 =
+    x a^T, a (NA, K) half precision contiguous (every slot's A stacked, ``SHRINK_COLUMNS``), NA a multiple
+    of the tiles' block_n, products in ``compute_dtype_of(x, a)``: the extra column blocks run beside W's.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -547,9 +622,25 @@ def decode_linear(
         if ahead and x.device.type == "cuda" and not interpreted():
             pf = dict(PF_AHEAD=ahead, PF_SLOTS=triton.next_power_of_2(b0.shape[0]),
                       PF_LINES=triton.next_power_of_2(max(1, tiles.block_n * R * b0.element_size() // 128)))  # fmt: skip
+    shrink_consts = dict(HAS_SHRINK=False, A_CDT=tl.float32, A_IEEE=False)
+    n_w_blocks = triton.cdiv(N, tiles.block_n)
+    if shrink_into is not None:
+        a, s = shrink_into
+        NA = a.shape[0]
+        assert lora is None and not after_shrink, "shrink_into is for a plain GEMM (its delta is added later)"
+        assert a.shape == (NA, K) and a.stride() == (K, 1) and a.dtype in (torch.float16, torch.bfloat16), (
+            f"A {tuple(a.shape)} {a.dtype} must be (NA, K={K}) half precision, contiguous"
+        )
+        assert NA % tiles.block_n == 0, f"the shrink's {NA} columns must be a multiple of block_n={tiles.block_n}"
+        assert s.shape == (M, NA) and s.dtype == torch.float32 and s.stride(1) == 1, f"s {tuple(s.shape)} {s.dtype}"
+        acdt = compute_dtype_of(x.dtype, a.dtype)
+        shrink_args = (a, s, n_w_blocks, NA, s.stride(0))
+        shrink_consts = dict(HAS_SHRINK=True, A_CDT=tl_dtype(acdt), A_IEEE=acdt == torch.float32 and x.dtype == torch.float32)
+    else:
+        shrink_args = (x, x, n_w_blocks, 0, 0)
     chain = pdl_chain(x.device)
     block_m = _block_m(M)
-    n_blocks = triton.cdiv(N, tiles.block_n)
+    n_blocks = n_w_blocks + shrink_args[3] // tiles.block_n
     split = tiles.split_k
     k_per_split = triton.cdiv(triton.cdiv(K, split), tiles.block_k) * tiles.block_k
     ws, cnt = (x, x)
@@ -559,8 +650,9 @@ def decode_linear(
     _decode_linear_kernel[(n_blocks * split,)](
         x, weight, bias if bias is not None else x, y, ws, cnt, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0),
+        *shrink_args,
         *lora_args,
-        HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
+        HAS_BIAS=bias is not None, HAS_LORA=lora is not None, **shrink_consts,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
         EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,

@@ -74,7 +74,8 @@ def _fused_add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_x, stride_r, stride_o, stride_ro, N, eps, BLOCK: tl.constexpr,
     PDL_CHAIN: tl.constexpr,
     # x's pending LoRA delta (row_delta: the row-parallel projection that wrote x left it to this launch)
-    d_buf_ptr, d_b_ptr, d_slots_ptr, stride_dbs, stride_dsp, stride_dsm, D_P, D_R, HAS_DELTA: tl.constexpr,
+    d_buf_ptr, d_b_ptr, d_slots_ptr, stride_dbs, stride_dsp, stride_dsm, stride_dss, D_P, D_R,
+    HAS_DELTA: tl.constexpr,
     D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr,
 ):
     # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait, but for the
@@ -90,7 +91,7 @@ def _fused_add_rms_norm_kernel(
             tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_DELTA:
-        x = plus_delta(x, bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
+        x = plus_delta(x, bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, stride_dss, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
     x = x.to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(r_out_ptr.dtype.element_ty)  # torch's x + residual: fp32 add, one rounding

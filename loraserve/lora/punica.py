@@ -155,12 +155,19 @@ class PendingDelta(NamedTuple):
     buf: torch.Tensor
     lora_b: torch.Tensor
     token_slots: torch.Tensor
+    # 0: buf's R columns are the token's own slot's; R: buf (1, 1, T, S * R) holds every slot's shrink (the
+    # GEMM's shrink columns, ``decode_linear(shrink_into=...)``), the token's at columns [slot * R, slot * R + R)
+    slot_cols: int = 0
 
     def add_to(self, y: torch.Tensor) -> torch.Tensor:
         """y + the delta, rounded once to y's dtype (a new tensor): what a reader without the fused kernel
         does (the torch path, ``row_delta``'s numbers in torch's order of the sum over r)."""
-        s = self.buf.sum(0)[0]  # (T, R) fp32, the planes summed in order
+        s = self.buf.sum(0)[0]  # (T, R) fp32, the planes summed in order (or (T, S * R): every slot's)
         slots = self.token_slots.long()
+        if self.slot_cols:
+            R = self.lora_b.shape[3]
+            cols = slots.clamp(min=0)[:, None] * self.slot_cols + torch.arange(R, device=s.device)
+            s = torch.gather(s, 1, cols)
         cdt = compute_dtype(y.dtype, self.lora_b.dtype)
         b = self.lora_b[slots.clamp(min=0), 0].to(cdt).float()  # (T, N, R)
         s = torch.where((slots >= 0)[:, None], s, 0.0).to(cdt).float()

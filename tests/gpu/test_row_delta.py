@@ -141,11 +141,39 @@ def test_supports_refuses_what_it_cannot_add():
     assert not row_delta.supports(torch.float16, b.transpose(2, 3).contiguous().transpose(2, 3)), "B not (N, R) per slot"
 
 
-def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch):
+@pytest.mark.parametrize("xdt", HALF)
+@pytest.mark.parametrize(
+    "M,K,N,S,R",
+    [(32, 896, 896, 8, 16), (5, 256, 128, 4, 16), (17, 640, 192, 2, 32), (1, 4864, 896, 8, 16)],
+    ids=["qwen-o", "small", "R32-K-not-a-multiple", "qwen-down-one-token"],
+)
+def test_decode_linear_computes_the_shrink_columns(M, K, N, S, R, xdt):
+    """``decode_linear(shrink_into=(A, s))``: y bit for bit the plain GEMM's (same tiles, split-K or not), and s every
+    slot's x A^T in fp32 (float64's to within the products' rounding), garbage past a rank included (B's zeros there
+    cancel it), the rows of every token written."""
+    from loraserve.layers.triton_decode_linear import decode_linear, default_tiles
+
+    g = torch.Generator().manual_seed(M + K)
+    (a,), _ = lora_stacks(g, S, R, K, (N,), [R] * (S - 1) + [R // 2], torch.float16)
+    x = torch.randn(M, K, generator=g).to(DEV, xdt)
+    weight = (torch.randn(N, K, generator=g) * 0.05).to(DEV, xdt)
+    tiles = default_tiles(M, N, K, xdt)
+    s = torch.full((M, S * R), float("nan"), device=DEV)
+    y = decode_linear(x, weight, tiles=tiles, shrink_into=(a.view(S * R, K), s))
+    assert torch.equal(y, decode_linear(x, weight, tiles=tiles)), "W's columns are the plain GEMM's"
+    want = x.double() @ a.view(S * R, K).double().T
+    assert not s.isnan().any(), "every token's row, every column written"
+    assert rel_err(s, want) < 1e-5, f"s vs float64: {rel_err(s, want):.2e}"
+
+
+@pytest.mark.parametrize("gemm_shrink", [True, False], ids=["shrink-in-gemm", "shrink-launch"])
+def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch, gemm_shrink):
     T, K, N, S, R = 12, 256, 128, 4, 16
     g = torch.Generator().manual_seed(4)
     ranks = [16, 8, 0, 4]
     As, Bs = lora_stacks(g, S, R, K, (N,), ranks, torch.float16)
+    for s, r in enumerate(ranks):
+        As[0][s, :, r:] = 0.0  # as the layers keep it (reset_lora): the GEMM's shrink columns cover every rank row
     x = torch.randn(T, K, generator=g).to(DEV, torch.float16)
     weight = (torch.randn(N, K, generator=g) * 0.05).to(DEV, torch.float16)
     slots = [-1 if t % 5 == 4 else t % S for t in range(T)]
@@ -155,8 +183,11 @@ def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch):
     monkeypatch.setattr(row_delta, "ENABLED", False)
     assert not ops.defers_delta and ops.linear_deferring_delta(*args) is None, "off with LORASERVE_DEFER_DELTA=0"
     monkeypatch.setattr(row_delta, "ENABLED", True)
+    monkeypatch.setattr(row_delta, "GEMM_SHRINK", gemm_shrink)
     assert ops.defers_delta
     y, delta = ops.linear_deferring_delta(*args)
+    assert delta.slot_cols == (R if gemm_shrink else 0), "every slot's shrink from the GEMM, or the token's own"
+    assert delta.buf.shape[-1] == (S * R if gemm_shrink else R)
     from loraserve.layers.triton_decode_linear import decode_linear
 
     assert torch.equal(y, decode_linear(x, weight)), "the output is the base GEMM's"
@@ -168,7 +199,8 @@ def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch):
     assert two is None, "one slice only (a row-parallel projection)"
 
 
-def test_decoder_norms_add_o_and_downs_deferred_delta(monkeypatch):
+@pytest.mark.parametrize("gemm_shrink", [True, False], ids=["shrink-in-gemm", "shrink-launch"])
+def test_decoder_norms_add_o_and_downs_deferred_delta(monkeypatch, gemm_shrink):
     """A tiny LoRA'd Llama's steps (fp16, prefill, decode and mixed steps of 4-8 tokens; slots of ranks 16/8/4/0
     and base tokens): with row_delta on (the default) o's and down's GEMMs run without the epilogue, each norm after
     them (the post-attention one, the next layer's input norm, the final norm) adds their delta in its launch,
@@ -180,21 +212,26 @@ def test_decoder_norms_add_o_and_downs_deferred_delta(monkeypatch):
     fdp.take_gpu_path(monkeypatch)
     monkeypatch.setattr(row_delta, "ENABLED", False)
     want = _run_lora_steps(model, mapping, fdp)
-    taken, epilogues = [], []
+    monkeypatch.setattr(row_delta, "GEMM_SHRINK", gemm_shrink)
+    taken, epilogues, in_gemm = [], [], []
     real_args, real_gemm = row_delta.kernel_args, triton_decode_linear.decode_linear
     monkeypatch.setattr(row_delta, "kernel_args", lambda d, x: taken.append(d is not None) or real_args(d, x))
     monkeypatch.setattr(triton_decode_linear, "decode_linear",
-                        lambda *a, **k: epilogues.append(k.get("lora") is not None) or real_gemm(*a, **k))  # fmt: skip
+                        lambda *a, **k: epilogues.append(k.get("lora") is not None)
+                        or in_gemm.append(k.get("shrink_into") is not None) or real_gemm(*a, **k))  # fmt: skip
     monkeypatch.setattr(row_delta, "ENABLED", True)
     n_steps, n_layers = len(fdp.STEPS), 2
     for norm_shrink_on in (True, False):
-        taken.clear(), epilogues.clear()
+        taken.clear(), epilogues.clear(), in_gemm.clear()
         monkeypatch.setattr(ns, "ENABLED", norm_shrink_on)
         got = _run_lora_steps(model, mapping, fdp)
         # per step: each layer's post-attention norm and the next norm (the final one after the last layer)
         assert taken.count(True) == 2 * n_layers * n_steps, f"o's and down's deltas, each taken by a norm: {taken}"
         # qkv's GEMM keeps its epilogue; gate/up's adds its delta in SiLU-and-mul; o's and down's have none
         assert epilogues == [True, False, False, False] * n_layers * n_steps, epilogues
+        # o's and down's shrinks: their GEMM's extra columns (4 slots x 16 ranks <= their 128 columns), or launches
+        assert in_gemm == [False, False, False, gemm_shrink] * n_layers * n_steps or in_gemm == [
+            False, gemm_shrink, False, gemm_shrink] * n_layers * n_steps, in_gemm  # fmt: skip
         for i, (a, b) in enumerate(zip(got, want)):
             torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")
     assert forward_context.get_forward_context_or_none() is None

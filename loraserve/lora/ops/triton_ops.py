@@ -47,6 +47,11 @@ class TritonLoRAOps:
         """Whether a row-parallel projection may leave its delta to the norm after it (``row_delta``)."""
         return row_delta.ENABLED
 
+    @property
+    def gemm_shrinks(self) -> bool:
+        """Whether a deferred delta's shrink may be the GEMM's extra columns (``row_delta.GEMM_SHRINK``)."""
+        return row_delta.GEMM_SHRINK
+
     def ranks_tensor(self, ranks: list[int]) -> torch.Tensor:
         """The device copy of a layer's per-slot ranks, refreshed in place when the list changed."""
         entry = self._ranks.get(id(ranks))
@@ -184,12 +189,23 @@ class TritonLoRAOps:
         """(x W^T + b, the delta left to its reader): the shrink (or ``shrunk``, x's shrink computed by the
         launch that wrote x), then the plain decode GEMM as the shrink's PDL dependent (``after_shrink``:
         it streams W while the shrink runs; its completion implies the shrink's, so its reader, a link of
-        the PDL chain, finds buf written). Where ``row_delta`` is on (the default; LORASERVE_DEFER_DELTA=0 turns it off), one slice,
+        the PDL chain, finds buf written). Without ``shrunk``, where ``row_delta.shrink_in_gemm`` takes A, no shrink
+        launch: the GEMM's extra column blocks compute every slot's shrink (``decode_linear(shrink_into=...)``)
+        and the reader picks its token's slot's columns. Where ``row_delta`` is on (the default; LORASERVE_DEFER_DELTA=0 turns it off), one slice,
         ``row_delta.supports`` B, some slot has a rank and the decode GEMM applies; else None."""
         if not row_delta.ENABLED or len(lora_b_stacked) != 1 or not row_delta.supports(x.dtype, lora_b_stacked[0]):
             return None
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
-        shrink = None if tiles is None else self._shrink_for(x, lora_a_stacked, ranks, meta, shrunk)
+        if tiles is None:
+            return None
+        if shrunk is None and self.gemm_shrinks and _max_rank(lora_a_stacked, ranks, meta) > 0:
+            a = lora_a_stacked[0]  # (S, 1, R, K): every slot's rank rows, one after another
+            S, _, R, K = a.shape
+            if row_delta.shrink_in_gemm(a, weight.shape[0], tiles.block_n):
+                s = torch.empty(x.shape[0], S * R, dtype=torch.float32, device=x.device)
+                y = decode.decode_linear(x, weight, bias, tiles=tiles, shrink_into=(a.view(S * R, K), s))
+                return y, PendingDelta(s.view(1, 1, *s.shape), lora_b_stacked[0], token_slots, slot_cols=R)
+        shrink = self._shrink_for(x, lora_a_stacked, ranks, meta, shrunk)
         if shrink is None:
             return None
         buf, pdl = shrink

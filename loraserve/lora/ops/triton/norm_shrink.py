@@ -62,7 +62,8 @@ def _norm_shrink_kernel(
     HAS_RESIDUAL: tl.constexpr, NUM_RBLOCKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
     PDL_CHAIN: tl.constexpr,
     # x's pending LoRA delta (row_delta: the row-parallel projection that wrote x left it to this launch)
-    d_buf_ptr, d_b_ptr, d_slots_ptr, stride_dbs, stride_dsp, stride_dsm, D_P, D_R, HAS_DELTA: tl.constexpr,
+    d_buf_ptr, d_b_ptr, d_slots_ptr, stride_dbs, stride_dsp, stride_dsm, stride_dss, D_P, D_R,
+    HAS_DELTA: tl.constexpr,
     D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -86,7 +87,7 @@ def _norm_shrink_kernel(
         tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_DELTA:
-        x = plus_delta(x, bt, d_slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
+        x = plus_delta(x, bt, d_slot, d_buf_ptr, row, stride_dsp, stride_dsm, stride_dss, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
     if HAS_RESIDUAL:  # the fused add: torch's x + residual (fp32 add, one rounding)
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r_out_ptr.dtype.element_ty)

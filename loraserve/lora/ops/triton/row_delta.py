@@ -51,6 +51,9 @@ from loraserve.lora.ops.triton.utils import compute_dtype_of, sum_planes, tl_dty
 # The row-parallel projections before a norm leave their delta to it (measured faster on Qwen2.5-0.5B, session 22);
 # LORASERVE_DEFER_DELTA=0: the delta in the GEMM's epilogue, as before
 ENABLED = os.environ.get("LORASERVE_DEFER_DELTA", "1") != "0"
+# The deferred delta's shrink as more column blocks of the projection's own GEMM (x A^T for every slot, A stacked
+# as (S * R, K) rows beside W's), not a launch of its own; LORASERVE_GEMM_SHRINK=0: the shrink launch, as before
+GEMM_SHRINK = os.environ.get("LORASERVE_GEMM_SHRINK", "1") != "0"
 MAX_HIDDEN = 2048  # the projection's output size (the norm's row): B's tile of a token lives in registers
 MAX_RANK = 64
 
@@ -69,24 +72,45 @@ def supports(act_dtype: torch.dtype, lora_b: torch.Tensor) -> bool:
     )
 
 
+def shrink_in_gemm(lora_a: torch.Tensor, n_out: int, block_n: int) -> bool:
+    """Whether the GEMM of a projection with ``n_out`` columns (column blocks of ``block_n``) also computes the
+    shrink over every slot of this A stack (S, 1, R, K): half precision, contiguous, S * R a multiple of
+    block_n, and at most n_out columns (they cost what as many columns of W cost: every slot's, used or not).
+    The columns past a slot's rank are computed too: the layers keep A's rows and B's columns there zero
+    (``reset_lora``), so they add exactly zero."""
+    S, one, R, K = lora_a.shape
+    cols = S * R
+    return (
+        one == 1
+        and lora_a.dtype in (torch.float16, torch.bfloat16)
+        and lora_a.is_contiguous()
+        and cols % block_n == 0
+        and cols <= n_out
+    )
+
+
 def kernel_args(delta, x: torch.Tensor) -> dict:
     """The keyword arguments of a norm kernel's delta operands (``delta_b_tile`` / ``plus_delta``) for
     ``delta`` (a ``punica.PendingDelta`` of x, or None: HAS_DELTA off, placeholders)."""
     if delta is None:
-        return dict(d_buf_ptr=x, d_b_ptr=x, d_slots_ptr=x, stride_dbs=0, stride_dsp=0, stride_dsm=0, D_P=1, D_R=1,
-                    HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)  # fmt: skip
+        return dict(d_buf_ptr=x, d_b_ptr=x, d_slots_ptr=x, stride_dbs=0, stride_dsp=0, stride_dsm=0, stride_dss=0,
+                    D_P=1, D_R=1, HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)  # fmt: skip
     buf, b = delta.buf, delta.lora_b
-    P, one, T, R = buf.shape
-    assert one == 1 and T == x.shape[0] and buf.dtype == torch.float32 and buf.stride(3) == 1, (
-        f"the pending delta's shrink {tuple(buf.shape)} {buf.dtype} does not fit x {tuple(x.shape)}: want (P, 1, T, R) fp32"
+    P, one, T, C = buf.shape
+    R = b.shape[3]
+    cols = R if not delta.slot_cols else b.shape[0] * delta.slot_cols
+    assert one == 1 and T == x.shape[0] and C == cols and buf.dtype == torch.float32 and buf.stride(3) == 1, (
+        f"the pending delta's shrink {tuple(buf.shape)} {buf.dtype} does not fit x {tuple(x.shape)} and B "
+        f"{tuple(b.shape)}: want (P, 1, T, {cols}) fp32"
     )
+    assert not delta.slot_cols or delta.slot_cols >= R
     assert supports(x.dtype, b) and b.shape[2:] == (x.shape[1], R), (
         f"B {tuple(b.shape)} {b.dtype} does not fit x {tuple(x.shape)} {x.dtype} (supports())"
     )
     assert delta.token_slots.shape == (T,), f"token_slots {tuple(delta.token_slots.shape)} does not fit {T} tokens"
     return dict(
         d_buf_ptr=buf, d_b_ptr=b, d_slots_ptr=delta.token_slots, stride_dbs=b.stride(0), stride_dsp=buf.stride(0),
-        stride_dsm=buf.stride(2), D_P=P, D_R=R, HAS_DELTA=True, D_BLOCK_R=max(16, triton.next_power_of_2(R)),
+        stride_dsm=buf.stride(2), stride_dss=delta.slot_cols, D_P=P, D_R=R, HAS_DELTA=True, D_BLOCK_R=max(16, triton.next_power_of_2(R)),
         D_RED=min(triton.next_power_of_2(P), 16), D_CDT=tl_dtype(compute_dtype_of(x.dtype, b.dtype)),
     )  # fmt: skip
 
@@ -103,14 +127,16 @@ def delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK
 
 
 @triton.jit
-def plus_delta(x, bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, D_P, D_R, D_BLOCK_R: tl.constexpr,
+def plus_delta(x, bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, stride_dss, D_P, D_R, D_BLOCK_R: tl.constexpr,
                D_RED: tl.constexpr, D_CDT: tl.constexpr):  # fmt: skip
     """x (the row, its storage dtype) + B[slot] s[row], rounded once to x's dtype (PEFT's order: the base output
     rounded, the delta added in fp32). s: the sum of the shrink's D_P planes (fp32, in plane order) rounded to
-    the products' dtype D_CDT; bt from ``delta_b_tile``. A base token adds zero: its s row, which the shrink
+    the products' dtype D_CDT; bt from ``delta_b_tile``. stride_dss > 0: the row holds every slot's shrink, the
+    token's at slot * stride_dss. A base token adds zero: its s row, which the shrink
     leaves unwritten, is never read."""
     offs_r = tl.arange(0, D_BLOCK_R)
     s_mask = (offs_r < D_R) & (slot >= 0)
-    s = sum_planes(d_buf_ptr + row * stride_dsm + offs_r, s_mask, D_P, stride_dsp, D_RED, False)
+    s_row = d_buf_ptr + row * stride_dsm + tl.maximum(slot, 0) * stride_dss  # (stride_dss: every slot's columns)
+    s = sum_planes(s_row + offs_r, s_mask, D_P, stride_dsp, D_RED, False)
     s = s.to(D_CDT).to(tl.float32)
     return (x.to(tl.float32) + tl.sum(bt.to(tl.float32) * s[:, None], axis=0)).to(x.dtype)
