@@ -9,6 +9,7 @@ installed (the CPU machine too); nothing here is timed.
     python benchmarks/gpu/kernel_resources.py
     python benchmarks/gpu/kernel_resources.py --norm-shrink   # lora/ops/triton/norm_shrink.py's kernel
     python benchmarks/gpu/kernel_resources.py --norm-delta    # the norms with a pending LoRA delta (row_delta.py)
+    python benchmarks/gpu/kernel_resources.py --gemm-shrink   # decode_linear with the shrink's column blocks (shrink_into)
 """
 
 from __future__ import annotations
@@ -37,20 +38,22 @@ SIXTEENS = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", "N0"
             "stride_bm", "stride_ws0", "stride_ws1", "stride_ws2"}  # fmt: skip
 
 
-def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0, pf_ahead: int = 0):
+def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0, pf_ahead: int = 0,
+               shrink: bool = False):
     """The kernel as decode_linear launches it for 32 tokens with the default tiles (bf16 x and W;
     8 slots of rank 16 when lora_dtype is "fp32", "bf16" or "fp16" (tf32 products); ``maxnreg``: a register cap, the launch
     option, which session 9 timed and dropped; ``pf_ahead``: the B pull's K steps, main() passes the
-    default of the dtype, dl.prefetch_ahead)."""
+    default of the dtype, dl.prefetch_ahead; ``shrink``: the extra column blocks of ``shrink_into``, A's rows in bf16 as W)."""
     N = sum(slices)
     tiles = dl.default_tiles(32, N, K, None)
     lora = lora_dtype is not None
     b = {"bf16": "*bf16", "fp16": "*fp16"}.get(lora_dtype, "*fp32")
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
-            "cnt_ptr": "*i32", "buf_ptr": "*fp32", "b0_ptr": b, "b1_ptr": b, "b2_ptr": b, "slots_ptr": "*i32"}  # fmt: skip
+            "cnt_ptr": "*i32", "buf_ptr": "*fp32", "b0_ptr": b, "b1_ptr": b, "b2_ptr": b, "slots_ptr": "*i32",
+            "a_ptr": "*bf16", "s_ptr": "*fp32"}  # fmt: skip
     cdt = tl.bfloat16 if lora_dtype == "bf16" else tl.float32  # fp16 B with bf16 x: tf32 (precision.py)
     consts = dict(
-        R=16, HAS_BIAS=False, HAS_LORA=lora, NUM_SLICES=len(slices) if lora else 1, BLOCK_M=32,
+        R=16, HAS_BIAS=False, HAS_LORA=lora, HAS_SHRINK=shrink, NUM_SLICES=len(slices) if lora else 1, BLOCK_M=32,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_R=16, SLOTS_PER_CHUNK=max(1, min(8, columns // 16)),
         RED=1, SPLIT_W=tiles.split_k, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl.bfloat16, IEEE=False, LORA_CDT=cdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
@@ -141,9 +144,24 @@ def norm_delta_resources() -> None:
                     print(f"| {name} | {K} | {'yes' if has_delta else 'no'} | {warps} | {regs} | {stack} |", flush=True)
 
 
+def gemm_shrink_resources() -> None:
+    """``decode_linear`` for Qwen2.5-0.5B's o and down (32 tokens, bf16), plain and with the shrink's extra column
+    blocks (``shrink_into``: A's rows in bf16, the same K loop as W's)."""
+    print("| op | shrink columns | registers | spill bytes | shared KB |")
+    print("|---|---|---:|---:|---:|")
+    for name, K, N in (("o", 896, 896), ("down", 4864, 896)):
+        for shrink in (False, True):
+            k, _ = compile_op(K, (N,), None, 0, shrink=shrink)
+            regs, stack = registers_and_stack(k)
+            print(f"| {name} | {'yes' if shrink else 'no'} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} |", flush=True)
+
+
 def main() -> None:
     import sys
 
+    if "--gemm-shrink" in sys.argv:
+        gemm_shrink_resources()
+        return
     if "--norm-shrink" in sys.argv:
         norm_shrink_resources()
         return

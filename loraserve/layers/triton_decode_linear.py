@@ -418,7 +418,7 @@ def _decode_linear_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
-    # the shrink's columns (HAS_SHRINK; else placeholders): A (NA, K) stacked over slots and ranks, s (M, NA) fp32
+    # the shrink's columns (HAS_SHRINK; else placeholders): A's rows (NA, K) in W's dtype and row stride, s (M, NA) fp32
     a_ptr,
     s_ptr,
     NB_W,  # column blocks of W (cdiv(N, BLOCK_N)); blocks past them are the shrink's
@@ -444,8 +444,6 @@ def _decode_linear_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     HAS_SHRINK: tl.constexpr,  # extra programs compute x A^T (``shrink_into``), beside W's
-    A_CDT: tl.constexpr,  # (HAS_SHRINK) the dtype of the products with A (``compute_dtype_of(x, A)``)
-    A_IEEE: tl.constexpr,
     NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -478,19 +476,19 @@ def _decode_linear_kernel(
         k_lo = (pid % SPLIT_W) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     offs_m = tl.arange(0, BLOCK_M)
+    # the rows this program streams: W's, or (HAS_SHRINK, blocks past W's) the shrink's, A's rows in W's dtype
+    # and row stride, so that one K loop serves both (the same registers and shared memory as the plain GEMM)
+    src_ptr = w_ptr
+    row0 = pid_n * BLOCK_N
+    n_rows = N
     if HAS_SHRINK:
-        if pid_n >= NB_W:  # a block of the shrink's columns: x A^T over every slot's ranks (A's products)
-            acc = _k_loop(x_ptr, a_ptr, (pid_n - NB_W) * BLOCK_N, NA, k_lo, k_hi, M, stride_xm, K, b0_ptr, b1_ptr,
-                          b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R, NUM_SLICES, BLOCK_M, BLOCK_N,
-                          BLOCK_K, EVEN_K, True, A_CDT, A_IEEE, 0, PF_SLOTS, PF_LINES)  # fmt: skip
-        else:
-            acc = _k_loop(x_ptr, w_ptr, pid_n * BLOCK_N, N, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, b1_ptr,
-                          b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R, NUM_SLICES, BLOCK_M, BLOCK_N,
-                          BLOCK_K, EVEN_K, EVEN_N, CDT, IEEE, PF_AHEAD, PF_SLOTS, PF_LINES)  # fmt: skip
-    else:
-        acc = _k_loop(x_ptr, w_ptr, pid_n * BLOCK_N, N, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, b1_ptr, b2_ptr,
-                      stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_K,
-                      EVEN_K, EVEN_N, CDT, IEEE, PF_AHEAD, PF_SLOTS, PF_LINES)  # fmt: skip
+        if pid_n >= NB_W:
+            src_ptr = a_ptr
+            row0 = (pid_n - NB_W) * BLOCK_N
+            n_rows = NA
+    acc = _k_loop(x_ptr, src_ptr, row0, n_rows, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, b1_ptr, b2_ptr,
+                  stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_K,
+                  EVEN_K, EVEN_N, CDT, IEEE, PF_AHEAD, PF_SLOTS, PF_LINES)  # fmt: skip
 
     if SPLIT_W == 1:
         _finish(
@@ -567,8 +565,9 @@ def decode_linear(
     the next kernel reads (``gated_lora``): x is read at once (the shrink waited for it) and each program
     waits for the shrink before it ends.
     ``shrink_into`` (a, s) (no ``lora``, not ``after_shrink``): the same launch also writes s (M, NA) fp32 =
-    x a^T, a (NA, K) half precision contiguous (every slot's A stacked, ``SHRINK_COLUMNS``), NA a multiple
-    of the tiles' block_n, products in ``compute_dtype_of(x, a)``: the extra column blocks run beside W's.
+    x a^T unrounded, a (NA, K) in W's dtype and row stride (``row_delta.gemm_rows``: every slot's A, in
+    pieces that sum to it), NA a multiple of the tiles' block_n: NA / block_n more column blocks, each the
+    same K loop as W's (products in W's dtype, fp32 sums), beside W's.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -622,20 +621,17 @@ def decode_linear(
         if ahead and x.device.type == "cuda" and not interpreted():
             pf = dict(PF_AHEAD=ahead, PF_SLOTS=triton.next_power_of_2(b0.shape[0]),
                       PF_LINES=triton.next_power_of_2(max(1, tiles.block_n * R * b0.element_size() // 128)))  # fmt: skip
-    shrink_consts = dict(HAS_SHRINK=False, A_CDT=tl.float32, A_IEEE=False)
     n_w_blocks = triton.cdiv(N, tiles.block_n)
     if shrink_into is not None:
         a, s = shrink_into
         NA = a.shape[0]
         assert lora is None and not after_shrink, "shrink_into is for a plain GEMM (its delta is added later)"
-        assert a.shape == (NA, K) and a.stride() == (K, 1) and a.dtype in (torch.float16, torch.bfloat16), (
-            f"A {tuple(a.shape)} {a.dtype} must be (NA, K={K}) half precision, contiguous"
+        assert a.shape == (NA, K) and a.dtype == weight.dtype and a.stride() == weight.stride(), (
+            f"A's rows {tuple(a.shape)} {a.dtype} must be (NA, K={K}) in W's dtype {weight.dtype} and row stride"
         )
         assert NA % tiles.block_n == 0, f"the shrink's {NA} columns must be a multiple of block_n={tiles.block_n}"
         assert s.shape == (M, NA) and s.dtype == torch.float32 and s.stride(1) == 1, f"s {tuple(s.shape)} {s.dtype}"
-        acdt = compute_dtype_of(x.dtype, a.dtype)
         shrink_args = (a, s, n_w_blocks, NA, s.stride(0))
-        shrink_consts = dict(HAS_SHRINK=True, A_CDT=tl_dtype(acdt), A_IEEE=acdt == torch.float32 and x.dtype == torch.float32)
     else:
         shrink_args = (x, x, n_w_blocks, 0, 0)
     chain = pdl_chain(x.device)
@@ -652,7 +648,7 @@ def decode_linear(
         x.stride(0), weight.stride(0), y.stride(0),
         *shrink_args,
         *lora_args,
-        HAS_BIAS=bias is not None, HAS_LORA=lora is not None, **shrink_consts,
+        HAS_BIAS=bias is not None, HAS_LORA=lora is not None, HAS_SHRINK=shrink_into is not None,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_W=split,
         EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,

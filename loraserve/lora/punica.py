@@ -155,8 +155,9 @@ class PendingDelta(NamedTuple):
     buf: torch.Tensor
     lora_b: torch.Tensor
     token_slots: torch.Tensor
-    # 0: buf's R columns are the token's own slot's; R: buf (1, 1, T, S * R) holds every slot's shrink (the
-    # GEMM's shrink columns, ``decode_linear(shrink_into=...)``), the token's at columns [slot * R, slot * R + R)
+    # 0: buf's R columns are the token's own slot's; R: buf (P, 1, T, S * R) holds every slot's shrink (the
+    # GEMM's shrink columns, ``decode_linear(shrink_into=...)``; a plane per piece of A), the token's at columns
+    # [slot * R, slot * R + R)
     slot_cols: int = 0
 
     def add_to(self, y: torch.Tensor) -> torch.Tensor:
@@ -194,6 +195,12 @@ class PunicaWrapper:
     def defers_delta(self) -> bool:
         """Whether ``linear_deferring_delta`` can run at all (``row_delta``, on unless LORASERVE_DEFER_DELTA=0): asked first."""
         return self.fuses_linear and self.kernels.defers_delta
+
+    @property
+    def gemm_shrinks(self) -> bool:
+        """Whether a deferred delta's shrink may be its GEMM's extra columns (``row_delta.GEMM_SHRINK``): asked
+        before the layer hands its ``gemm_shrink_rows``."""
+        return self.fuses_linear and self.kernels.gemm_shrinks
 
     @staticmethod
     def mapping() -> LoRAMapping | None:
@@ -332,15 +339,18 @@ class PunicaWrapper:
         lora_b_stacked: tuple[torch.Tensor, ...],
         ranks: list[int],
         shrunk: torch.Tensor | None = None,
+        gemm_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, PendingDelta] | None:
         """(x W^T + b, the LoRA delta left to the output's reader) where a kernel path does that
-        (``TritonLoRAOps.linear_deferring_delta``: a one-slice product at decode sizes); else None."""
+        (``TritonLoRAOps.linear_deferring_delta``: a one-slice product at decode sizes); else None.
+        ``gemm_rows``: the layer's ``gemm_shrink_rows`` where ``gemm_shrinks``."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.linear_deferring_delta(
-            x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots, shrunk
-        )
+            x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots, shrunk,
+            gemm_rows,
+        )  # fmt: skip
 
     def add_lora_embedding(
         self, y: torch.Tensor, ids: torch.Tensor, emb_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int]

@@ -223,9 +223,11 @@ def test_decoder_norms_hand_qkv_and_gate_up_their_shrink(gated, monkeypatch):
     norms compute qkv's (3 slices) and gate/up's (2), and the only shrink launches left are o's and down's.
     Either path of gate/up takes the norm's shrink: the SiLU-and-mul launch (gated) or the GEMM's epilogue.
     On the gated path that launch also computes down's shrink (LORASERVE_GATED_SHRINK), and the decode
-    attention o's (LORASERVE_ATTN_SHRINK): then a decode step launches no shrink at all, with the same logits."""
+    attention o's (LORASERVE_ATTN_SHRINK): then a decode step launches no shrink at all, with the same logits.
+    o's and down's shrink as their GEMM's extra columns (row_delta.GEMM_SHRINK) is off here: it replaces
+    exactly the launches counted (test_row_delta covers it)."""
     from loraserve.layers import triton_attention
-    from loraserve.lora.ops.triton import gated_lora
+    from loraserve.lora.ops.triton import gated_lora, row_delta
 
     model, mapping, fdp = _lora_model(seed=1)
     fdp.take_gpu_path(monkeypatch)
@@ -237,6 +239,7 @@ def test_decoder_norms_hand_qkv_and_gate_up_their_shrink(gated, monkeypatch):
     monkeypatch.setattr(ns, "ENABLED", False)
     monkeypatch.setattr(gated_lora, "SHRINK_ENABLED", False)
     monkeypatch.setattr(triton_attention, "SHRINK_ENABLED", False)
+    monkeypatch.setattr(row_delta, "GEMM_SHRINK", False)
     want = _run_lora_steps(model, mapping, fdp)
     n_steps, n_layers = len(fdp.STEPS), 2
     assert not norms and len(shrinks) == 4 * n_layers * n_steps, shrinks

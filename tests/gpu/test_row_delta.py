@@ -141,37 +141,69 @@ def test_supports_refuses_what_it_cannot_add():
     assert not row_delta.supports(torch.float16, b.transpose(2, 3).contiguous().transpose(2, 3)), "B not (N, R) per slot"
 
 
+@pytest.mark.parametrize("adt", [torch.float16, torch.float32], ids=["A-fp16", "A-fp32"])
 @pytest.mark.parametrize("xdt", HALF)
 @pytest.mark.parametrize(
     "M,K,N,S,R",
-    [(32, 896, 896, 8, 16), (5, 256, 128, 4, 16), (17, 640, 192, 2, 32), (1, 4864, 896, 8, 16)],
+    [(32, 896, 896, 8, 16), (5, 256, 256, 4, 16), (17, 640, 192, 2, 32), (1, 4864, 896, 8, 16)],
     ids=["qwen-o", "small", "R32-K-not-a-multiple", "qwen-down-one-token"],
 )
-def test_decode_linear_computes_the_shrink_columns(M, K, N, S, R, xdt):
-    """``decode_linear(shrink_into=(A, s))``: y bit for bit the plain GEMM's (same tiles, split-K or not), and s every
-    slot's x A^T in fp32 (float64's to within the products' rounding), garbage past a rank included (B's zeros there
-    cancel it), the rows of every token written."""
+def test_decode_linear_computes_the_shrink_columns(M, K, N, S, R, xdt, adt):
+    """``decode_linear(shrink_into=(rows, s))`` with A's pieces in W's dtype (``exact_pieces``: one where A is
+    W's dtype, else two): y bit for bit the plain GEMM's (same tiles, split-K or not); s every row's x A^T in fp32,
+    float64's to within fp32 sums (half-precision products are exact); the pieces' planes summed are x A^T of A
+    itself (exactly A for fp16 A in bf16 pieces, to 16 bits for fp32 A), garbage past a rank included (B's zeros
+    there cancel it); every token's row written."""
     from loraserve.layers.triton_decode_linear import decode_linear, default_tiles
+    from loraserve.lora.ops.precision import exact_pieces
 
     g = torch.Generator().manual_seed(M + K)
-    (a,), _ = lora_stacks(g, S, R, K, (N,), [R] * (S - 1) + [R // 2], torch.float16)
+    (a,), _ = lora_stacks(g, S, R, K, (N,), [R] * (S - 1) + [R // 2], adt)
     x = torch.randn(M, K, generator=g).to(DEV, xdt)
     weight = (torch.randn(N, K, generator=g) * 0.05).to(DEV, xdt)
+    rows = torch.stack(exact_pieces(a[:, 0], xdt)).contiguous()  # (P, S, R, K)
+    P = rows.shape[0]
+    assert P == (1 if adt == xdt else 2)
     tiles = default_tiles(M, N, K, xdt)
-    s = torch.full((M, S * R), float("nan"), device=DEV)
-    y = decode_linear(x, weight, tiles=tiles, shrink_into=(a.view(S * R, K), s))
+    s = torch.full((M, P * S * R), float("nan"), device=DEV)
+    y = decode_linear(x, weight, tiles=tiles, shrink_into=(rows.view(P * S * R, K), s))
     assert torch.equal(y, decode_linear(x, weight, tiles=tiles)), "W's columns are the plain GEMM's"
-    want = x.double() @ a.view(S * R, K).double().T
     assert not s.isnan().any(), "every token's row, every column written"
+    want = x.double() @ rows.view(P * S * R, K).double().T
     assert rel_err(s, want) < 1e-5, f"s vs float64: {rel_err(s, want):.2e}"
+    summed = s.view(M, P, S * R).sum(1)
+    exact = x.double() @ a.view(S * R, K).double().T
+    bound = 1e-5 if adt != torch.float32 else 3e-5  # fp32 A: its lo piece keeps 8 of the 16 bits hi dropped
+    assert rel_err(summed, exact) < bound, f"the pieces' sum vs A's own product: {rel_err(summed, exact):.2e}"
 
 
-@pytest.mark.parametrize("gemm_shrink", [True, False], ids=["shrink-in-gemm", "shrink-launch"])
-def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch, gemm_shrink):
+def test_exact_pieces_sum_to_a():
+    from loraserve.lora.ops.precision import exact_pieces
+
+    g = torch.Generator().manual_seed(0)
+    a32 = torch.randn(64, 256, generator=g) * torch.logspace(-6, 3, 256)
+    a16 = a32.to(torch.float16)
+    (same,) = exact_pieces(a16, torch.float16)
+    assert same is a16, "A already in the dtype: itself"
+    hi, lo = exact_pieces(a16, torch.bfloat16)
+    assert hi.dtype == lo.dtype == torch.bfloat16
+    assert torch.equal(hi.double() + lo.double(), a16.double()), "fp16 in two bf16 pieces: exact"
+    assert not torch.equal(hi.double(), a16.double()), "hi alone loses bits (lo is not all zero)"
+    hi, lo = exact_pieces(a32, torch.bfloat16)
+    err = ((hi.double() + lo.double()) - a32.double()).abs() / a32.double().abs()
+    assert err.max() < 2**-15, f"fp32 in two bf16 pieces: 16 bits kept, {err.max().item():.2e}"
+
+
+@pytest.mark.parametrize("gemm_shrink,adt", [(True, torch.float16), (True, torch.float32), (False, torch.float16)],
+                         ids=["shrink-in-gemm", "shrink-in-gemm-A-fp32-two-pieces", "shrink-launch"])  # fmt: skip
+def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch, gemm_shrink, adt):
+    from loraserve.lora.ops.precision import exact_pieces
+
     T, K, N, S, R = 12, 256, 128, 4, 16
     g = torch.Generator().manual_seed(4)
     ranks = [16, 8, 0, 4]
-    As, Bs = lora_stacks(g, S, R, K, (N,), ranks, torch.float16)
+    As, Bs = lora_stacks(g, S, R, K, (N,), ranks, adt)
+    Bs = tuple(b.half() for b in Bs)  # (row_delta adds half-precision B)
     for s, r in enumerate(ranks):
         As[0][s, :, r:] = 0.0  # as the layers keep it (reset_lora): the GEMM's shrink columns cover every rank row
     x = torch.randn(T, K, generator=g).to(DEV, torch.float16)
@@ -183,9 +215,9 @@ def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch, gemm
     monkeypatch.setattr(row_delta, "ENABLED", False)
     assert not ops.defers_delta and ops.linear_deferring_delta(*args) is None, "off with LORASERVE_DEFER_DELTA=0"
     monkeypatch.setattr(row_delta, "ENABLED", True)
-    monkeypatch.setattr(row_delta, "GEMM_SHRINK", gemm_shrink)
     assert ops.defers_delta
-    y, delta = ops.linear_deferring_delta(*args)
+    rows = torch.stack(exact_pieces(As[0][:, 0], weight.dtype)).contiguous() if gemm_shrink else None
+    y, delta = ops.linear_deferring_delta(*args, None, rows)
     assert delta.slot_cols == (R if gemm_shrink else 0), "every slot's shrink from the GEMM, or the token's own"
     assert delta.buf.shape[-1] == (S * R if gemm_shrink else R)
     from loraserve.layers.triton_decode_linear import decode_linear
@@ -194,7 +226,15 @@ def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch, gemm
     want = ops.linear_with_lora(*args)
     assert rel_err(delta.add_to(y), want) < 2e-3, "base + the deferred delta = the fused path"
     assert not torch.equal(delta.add_to(y), y), "the delta is not zero"
-    assert ops.linear_deferring_delta(x, weight, None, As, Bs, [0] * S, meta, mapping.token_slots) is None, "no rank"
+    if rows is not None:
+        assert rows.shape[0] == (1 if adt == weight.dtype else 2), "A's pieces in W's dtype"
+        assert delta.buf.shape[0] == rows.shape[0], "a plane per piece, summed by the reader"
+    res, w = torch.randn_like(y), torch.ones(N, dtype=y.dtype, device=DEV)
+    _, got_res = tew.fused_add_rms_norm(y, res, w, 1e-6, delta=delta)
+    _, want_res = tew.fused_add_rms_norm(delta.add_to(y), res, w, 1e-6)
+    assert_within_a_rounding(got_res, want_res, want_res.abs() + res.abs(), "the norm's launch adds it (its planes)")
+    no_rank = (x, weight, None, As, Bs, [0] * S, meta, mapping.token_slots, None, rows)
+    assert ops.linear_deferring_delta(*no_rank) is None, "no rank"
     two = ops.linear_deferring_delta(x, weight, None, As * 2, Bs * 2, ranks, meta, mapping.token_slots)
     assert two is None, "one slice only (a row-parallel projection)"
 

@@ -340,6 +340,41 @@ def test_bf16_base_layer_equals_nn_linear(case):
     )
 
 
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.float16])
+def test_gemm_shrink_rows_follow_set_and_reset(lora_dtype):
+    """A row-parallel layer's A as more rows of its bf16 weight (``gemm_shrink_rows``, the GEMM that computes
+    the deferred delta's shrink): pieces in W's dtype whose sum is every slot's A (exactly for fp16 A, to 16
+    significant bits for fp32), rewritten in place by set_lora and reset_lora (a captured graph reads them)."""
+    case = LINEAR_CASES[-1]
+    assert case.cls is RowParallelLinearWithLoRA
+    adapters = make_adapters(case, seed=21)
+    torch.manual_seed(0)
+    base = _make_in_dtype(case, torch.bfloat16)
+    w = case.cls(base)
+    w.create_lora_weights(MAX_LORAS, LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=MAX_RANK, lora_dtype=lora_dtype))
+    assert w.lora_a_stacked[0].dtype == lora_dtype
+    for slot, ((a, b),) in adapters.items():
+        w.set_lora(slot, a, b)
+
+    def assert_rows_are_a(rows: torch.Tensor) -> None:
+        a = w.lora_a_stacked[0][:, 0].double()
+        assert rows.dtype == torch.bfloat16 and rows.shape == (2, MAX_LORAS, MAX_RANK, case.in_size)
+        tol = 0.0 if lora_dtype == torch.float16 else 2.0**-16
+        torch.testing.assert_close(rows.double().sum(0), a, rtol=tol, atol=0)
+
+    rows = w.gemm_shrink_rows()
+    assert_rows_are_a(rows)
+    assert rows[:, EMPTY_SLOT].abs().sum() == 0, "an empty slot's rows are zero"
+    g = torch.Generator().manual_seed(22)
+    w.set_lora(EMPTY_SLOT, torch.randn(3, case.in_size, generator=g), torch.randn(16, 3, generator=g))
+    assert w.gemm_shrink_rows().data_ptr() == rows.data_ptr(), "written in place"
+    assert rows[:, EMPTY_SLOT, :3].abs().sum() > 0 and rows[:, EMPTY_SLOT, 3:].abs().sum() == 0
+    assert_rows_are_a(rows)
+    w.reset_lora(1)
+    assert rows[:, 1].abs().sum() == 0, "reset_lora zeroes the slot's rows"
+    assert_rows_are_a(rows)
+
+
 # ---- embedding ----------------------------------------------------------------------------------------
 
 V, H = 50, 16

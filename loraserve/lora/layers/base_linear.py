@@ -16,6 +16,7 @@ from loraserve.config import LoRAConfig
 from loraserve.forward_context import current_lora_mapping
 from loraserve.layers.linear import linear
 from loraserve.lora.layers.base import BaseLayerWithLoRA, LoRAPieces
+from loraserve.lora.ops.precision import exact_pieces
 from loraserve.lora.punica import FusedShrink
 
 
@@ -57,6 +58,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         self.dora_scale: torch.Tensor | None = None  # (S + 1, out) fp32
         self.slot_has_bias = [False] * max_loras
         self.slot_has_dora = [False] * max_loras
+        self._gemm_rows: torch.Tensor | None = None  # (gemm_shrink_rows) built on first use
 
     def reset_lora(self, index: int) -> None:
         for a, b in zip(self.lora_a_stacked, self.lora_b_stacked):
@@ -64,6 +66,21 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             b[index].zero_()
         self.slot_ranks[index] = 0
         self.clear_extras(index)
+        self._write_gemm_rows(index)
+
+    def gemm_shrink_rows(self) -> torch.Tensor:
+        """A one-slice layer's A, every slot's, as more rows of its weight: (P, S, R, in) in W's dtype, the P
+        pieces of ``precision.exact_pieces`` (they sum to A), for a GEMM that computes the shrink as extra
+        columns (``row_delta``, ``decode_linear(shrink_into=...)``). Built on first use, then kept in step with
+        ``set_lora`` / ``reset_lora`` (in place: a captured CUDA graph reads the new slot)."""
+        if self._gemm_rows is None:
+            (a,) = self.lora_a_stacked
+            self._gemm_rows = torch.stack(exact_pieces(a[:, 0], self.base_layer.weight.dtype)).contiguous()
+        return self._gemm_rows
+
+    def _write_gemm_rows(self, index: int) -> None:
+        if self._gemm_rows is not None:
+            self._gemm_rows[:, index] = torch.stack(exact_pieces(self.lora_a_stacked[0][index, 0], self._gemm_rows.dtype))
 
     def slot_has_extras(self, index: int) -> bool:
         return self.slot_has_bias[index] or self.slot_has_dora[index]
@@ -150,6 +167,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             self.lora_b_stacked[i][index, 0, :, :r].copy_(b, non_blocking=True)
             rank = max(rank, r)
         self.slot_ranks[index] = rank
+        self._write_gemm_rows(index)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear(x, weight, bias) + the per-token LoRA delta (``apply_lora``'s numbers).

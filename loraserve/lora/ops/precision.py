@@ -72,6 +72,19 @@ def balance_to_fp16(a: torch.Tensor, b: torch.Tensor, where: str) -> tuple[torch
     return a16.to(torch.float16), b16.to(torch.float16)
 
 
+def exact_pieces(a: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """``a`` as pieces of ``dtype`` that sum to it: one (a itself) where a already is ``dtype``, else two,
+    hi = a rounded to ``dtype`` and lo = what that rounding lost, rounded. Exact for fp16 in bf16 pieces (11
+    significant bits = hi's 8 + at most 3, and bf16 has fp16's range and more); fp32 keeps 16 of its 24 bits
+    (more than the 10 tf32 products read). Products of half-precision pieces with half-precision x are exact
+    in fp32, so x @ hi^T + x @ lo^T is x @ a^T to within fp32 sums: how a half-precision GEMM computes a
+    shrink with another dtype's A (``row_delta``'s shrink in the GEMM)."""
+    if a.dtype == dtype:
+        return (a,)
+    hi = a.to(dtype)
+    return hi, (a.float() - hi.float()).to(dtype)
+
+
 def to_storage(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A and B (fp32, scale folded into B) in the LoRA storage dtype, contiguous: fp16 balanced
     (``balance_to_fp16``), other dtypes cast."""

@@ -184,27 +184,31 @@ class TritonLoRAOps:
         )
 
     def linear_deferring_delta(
-        self, x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, meta, token_slots, shrunk=None
+        self, x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, meta, token_slots, shrunk=None, gemm_rows=None
     ) -> tuple[torch.Tensor, PendingDelta] | None:
         """(x W^T + b, the delta left to its reader): the shrink (or ``shrunk``, x's shrink computed by the
-        launch that wrote x), then the plain decode GEMM as the shrink's PDL dependent (``after_shrink``:
-        it streams W while the shrink runs; its completion implies the shrink's, so its reader, a link of
-        the PDL chain, finds buf written). Without ``shrunk``, where ``row_delta.shrink_in_gemm`` takes A, no shrink
-        launch: the GEMM's extra column blocks compute every slot's shrink (``decode_linear(shrink_into=...)``)
-        and the reader picks its token's slot's columns. Where ``row_delta`` is on (the default; LORASERVE_DEFER_DELTA=0 turns it off), one slice,
-        ``row_delta.supports`` B, some slot has a rank and the decode GEMM applies; else None."""
+        launch that wrote x), then the plain decode GEMM as the shrink's PDL dependent (``after_shrink``: it
+        streams W while the shrink runs; its completion implies the shrink's, so its reader, a link of the PDL
+        chain, finds buf written). With ``gemm_rows`` (the layer's ``gemm_shrink_rows``: A's pieces in W's
+        dtype) where ``row_delta.shrink_in_gemm`` takes them, no shrink launch: the GEMM's extra column blocks
+        compute every slot's shrink, a plane per piece (``decode_linear(shrink_into=...)``), and the reader
+        sums the planes of its token's slot's columns. Where ``row_delta`` is on (the default;
+        LORASERVE_DEFER_DELTA=0 turns it off), one slice, ``row_delta.supports`` B, some slot has a rank and the
+        decode GEMM applies; else None."""
         if not row_delta.ENABLED or len(lora_b_stacked) != 1 or not row_delta.supports(x.dtype, lora_b_stacked[0]):
             return None
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
         if tiles is None:
             return None
-        if shrunk is None and self.gemm_shrinks and _max_rank(lora_a_stacked, ranks, meta) > 0:
-            a = lora_a_stacked[0]  # (S, 1, R, K): every slot's rank rows, one after another
-            S, _, R, K = a.shape
-            if row_delta.shrink_in_gemm(a, weight.shape[0], tiles.block_n):
-                s = torch.empty(x.shape[0], S * R, dtype=torch.float32, device=x.device)
-                y = decode.decode_linear(x, weight, bias, tiles=tiles, shrink_into=(a.view(S * R, K), s))
-                return y, PendingDelta(s.view(1, 1, *s.shape), lora_b_stacked[0], token_slots, slot_cols=R)
+        if shrunk is None and gemm_rows is not None and row_delta.shrink_in_gemm(gemm_rows, weight, tiles.block_n):
+            if _max_rank(lora_a_stacked, ranks, meta) == 0:
+                return None
+            P, S, R, K = gemm_rows.shape
+            T = x.shape[0]
+            s = torch.empty(T, P * S * R, dtype=torch.float32, device=x.device)
+            y = decode.decode_linear(x, weight, bias, tiles=tiles, shrink_into=(gemm_rows.view(P * S * R, K), s))
+            planes = s.view(T, P, S * R).permute(1, 0, 2).unsqueeze(1)  # (P, 1, T, S * R): a plane per piece
+            return y, PendingDelta(planes, lora_b_stacked[0], token_slots, slot_cols=R)
         shrink = self._shrink_for(x, lora_a_stacked, ranks, meta, shrunk)
         if shrink is None:
             return None

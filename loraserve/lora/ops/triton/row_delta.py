@@ -28,6 +28,15 @@ letting its shrink launch once x was complete and the shrink waiting for the GEM
 shrink beside its GEMM instead of in the norm (1.344 ms, slower: that shrink took 6 µs, longer than
 the GEMM's remaining time; its decoder test also failed on the GPU, not investigated).
 
+The shrink in the GEMM (``GEMM_SHRINK``): with no shrink handed on by the launch before (``shrunk``), the
+projection's GEMM computes x A^T for every slot as column blocks past W's (``decode_linear(shrink_into=...)``,
+the layer's ``gemm_shrink_rows``: A's rows in W's dtype, ``precision.exact_pieces`` of it, two bf16 pieces for
+fp16 A) and the norm sums the pieces' planes of its token's slot's columns: one launch fewer per projection.
+NOTE: the first form (session 23, commit 924bf93) ran a K loop of its own for those blocks, in tf32 on fp16 A:
+compiled for sm_90 the GEMM took 177 registers against 64 (o) and 80 (down), and the step was slower (H100,
+Qwen2.5-0.5B, replay 1.31 -> 1.48 ms; step_trace 1.300 -> 1.418 ms). The second form shares W's K loop and
+registers (``kernel_resources.py --gemm-shrink``: 64 and 80).
+
 Layout: the norm's program owns one row (token); its B tile (BLOCK_R, BLOCK) sits in registers beside
 the row, so hidden sizes up to ``MAX_HIDDEN``. NOTE: compiled for sm_90 at the norms' warps (4 for a row of
 1024) the kernels with the delta take 255 registers and spill 88-120 bytes a thread, at twice the warps
@@ -51,8 +60,8 @@ from loraserve.lora.ops.triton.utils import compute_dtype_of, sum_planes, tl_dty
 # The row-parallel projections before a norm leave their delta to it (measured faster on Qwen2.5-0.5B, session 22);
 # LORASERVE_DEFER_DELTA=0: the delta in the GEMM's epilogue, as before
 ENABLED = os.environ.get("LORASERVE_DEFER_DELTA", "1") != "0"
-# The deferred delta's shrink as more column blocks of the projection's own GEMM (x A^T for every slot, A stacked
-# as (S * R, K) rows beside W's), not a launch of its own; LORASERVE_GEMM_SHRINK=0: the shrink launch, as before
+# The deferred delta's shrink as more column blocks of the projection's own GEMM (x A^T for every slot, A's rows in
+# W's dtype beside W's), not a launch of its own; LORASERVE_GEMM_SHRINK=0: the shrink launch, as before
 GEMM_SHRINK = os.environ.get("LORASERVE_GEMM_SHRINK", "1") != "0"
 MAX_HIDDEN = 2048  # the projection's output size (the norm's row): B's tile of a token lives in registers
 MAX_RANK = 64
@@ -72,20 +81,21 @@ def supports(act_dtype: torch.dtype, lora_b: torch.Tensor) -> bool:
     )
 
 
-def shrink_in_gemm(lora_a: torch.Tensor, n_out: int, block_n: int) -> bool:
-    """Whether the GEMM of a projection with ``n_out`` columns (column blocks of ``block_n``) also computes the
-    shrink over every slot of this A stack (S, 1, R, K): half precision, contiguous, S * R a multiple of
-    block_n, and at most n_out columns (they cost what as many columns of W cost: every slot's, used or not).
-    The columns past a slot's rank are computed too: the layers keep A's rows and B's columns there zero
-    (``reset_lora``), so they add exactly zero."""
-    S, one, R, K = lora_a.shape
-    cols = S * R
+def shrink_in_gemm(gemm_rows: torch.Tensor, weight: torch.Tensor, block_n: int) -> bool:
+    """Whether the GEMM of ``weight`` (N, K) (column blocks of ``block_n``) also computes the shrink over these
+    rows of A (P, S, R, K) (``BaseLinearLayerWithLoRA.gemm_shrink_rows``): W's dtype, contiguous with W's row
+    stride, P * S * R a multiple of block_n and at most N (they cost what as many rows of W cost: every slot's,
+    used or not). The columns past a slot's rank are computed too: the layers keep A's rows and B's columns
+    there zero (``reset_lora``), so they add exactly zero."""
+    P, S, R, K = gemm_rows.shape
+    cols = P * S * R
     return (
-        one == 1
-        and lora_a.dtype in (torch.float16, torch.bfloat16)
-        and lora_a.is_contiguous()
+        gemm_rows.dtype == weight.dtype
+        and gemm_rows.is_contiguous()
+        and weight.shape[1] == K
+        and weight.stride() == (K, 1)
         and cols % block_n == 0
-        and cols <= n_out
+        and cols <= weight.shape[0]
     )
 
 
