@@ -382,16 +382,11 @@ def _finish(acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, s_ptr, NB_W, stride_sm
             USE_PDL: tl.constexpr):  # fmt: skip
     """A column block's complete acc: the shrink's columns stored as they are (HAS_SHRINK, blocks past W's),
     or W's through ``_epilogue``."""
+    shrink_block = False  # a compile-time False without HAS_SHRINK: the plain kernel has no branch
     if HAS_SHRINK:
-        if pid_n >= NB_W:
-            _store_shrink(acc, (pid_n - NB_W) * BLOCK_N, s_ptr, M, stride_sm, BLOCK_M, BLOCK_N)
-        else:
-            _epilogue(
-                acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
-                S, SPLIT_K, N0, N1, stride_bsp, stride_bi, stride_bm, stride_ws0, stride_ws1, stride_ws2,
-                R, HAS_BIAS, HAS_LORA, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK, RED,
-                LORA_CDT, LORA_IEEE, USE_PDL,
-            )  # fmt: skip
+        shrink_block = pid_n >= NB_W
+    if shrink_block:
+        _store_shrink(acc, (pid_n - NB_W) * BLOCK_N, s_ptr, M, stride_sm, BLOCK_M, BLOCK_N)
     else:
         _epilogue(
             acc, pid_n, bias_ptr, y_ptr, M, N, stride_ym, buf_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr,
