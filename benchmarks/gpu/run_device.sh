@@ -79,12 +79,13 @@ new_tests() {  # some GPU tests; $1: their timeout, then pytest's arguments
     shift
     timeout "$limit" python3 -m pytest -o addopts= -q -p no:cacheprovider "$@" 2>&1 | tail -8 | tee -a "$OUT/new_tests.txt"
 }
-e2e_per_setting() {  # bench_e2e without HF once per setting; $1: timeout, $2: shapes ("": both), then the settings ("": defaults)
+e2e_per_setting() {  # bench_e2e without HF once per setting; $1: timeout, $2: shapes ("": both), then the settings ("": defaults);
+    # $E2E_EXTRA: more arguments of bench_e2e
     local limit=$1 shapes=$2
     shift 2
     for knobs in "$@"; do
         echo "### bench_e2e ${shapes:-both shapes}: ${knobs:-default}" | tee -a "$OUT/e2e.txt"
-        env $knobs timeout "$limit" python3 benchmarks/gpu/bench_e2e.py ${shapes:+--shapes "$shapes"} --skip-hf 2>&1 | grep "^| \|replay\|parity max\|greedy ids" | tee -a "$OUT/e2e.txt"
+        env $knobs timeout "$limit" python3 benchmarks/gpu/bench_e2e.py ${shapes:+--shapes "$shapes"} --skip-hf ${E2E_EXTRA:-} 2>&1 | grep "^| \|replay\|parity max\|greedy ids" | tee -a "$OUT/e2e.txt"
     done
 }
 trace_per_setting() {  # step_trace once per setting; $1: timeout, $2: the shape, then the settings ("": defaults)
@@ -307,7 +308,7 @@ for stage in "$@"; do
             # the second form of o's and down's shrink in their GEMM (A's rows in W's dtype, one K loop: W's registers):
             # its tests, bench_e2e and step_trace Qwen-0.5B off (LORASERVE_GEMM_SHRINK=0) and on, every GPU test
             new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
-            e2e_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" ""
+            E2E_EXTRA=--bf16-loras e2e_per_setting 120 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" ""  # bf16 A: one piece
             trace_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" ""
             gpu_tests 240
             ;;
