@@ -308,8 +308,8 @@ for stage in "$@"; do
             # the second form of o's and down's shrink in their GEMM (A's rows in W's dtype, one K loop: W's registers):
             # its tests, bench_e2e and step_trace Qwen-0.5B off (LORASERVE_GEMM_SHRINK=0) and on, every GPU test
             new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
-            E2E_EXTRA=--bf16-loras e2e_per_setting 120 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" ""  # bf16 A: one piece
-            trace_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" ""
+            E2E_EXTRA=--bf16-loras e2e_per_setting 120 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" "LORASERVE_GEMM_SHRINK=1"  # bf16 A: one piece
+            trace_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" "LORASERVE_GEMM_SHRINK=1"
             [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || gpu_tests 240  # (set when little device time is left)
             ;;
         trace8b21)
