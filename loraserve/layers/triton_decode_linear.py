@@ -560,7 +560,7 @@ def decode_linear(
     the next kernel reads (``gated_lora``): x is read at once (the shrink waited for it) and each program
     waits for the shrink before it ends.
     ``shrink_into`` (a, s) (no ``lora``, not ``after_shrink``): the same launch also writes s (M, NA) fp32 =
-    x a^T unrounded, a (NA, K) in W's dtype and row stride (``row_delta.gemm_rows``: every slot's A, in
+    x a^T unrounded, a (NA, K) in W's dtype and row stride (a LoRA layer's ``gemm_shrink_rows``: every slot's A, in
     pieces that sum to it), NA a multiple of the tiles' block_n: NA / block_n more column blocks, each the
     same K loop as W's (products in W's dtype, fp32 sums), beside W's.
     """

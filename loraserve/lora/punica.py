@@ -339,17 +339,17 @@ class PunicaWrapper:
         lora_b_stacked: tuple[torch.Tensor, ...],
         ranks: list[int],
         shrunk: torch.Tensor | None = None,
-        gemm_rows: torch.Tensor | None = None,
+        gemm_shrink_rows: Callable[[], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, PendingDelta] | None:
         """(x W^T + b, the LoRA delta left to the output's reader) where a kernel path does that
         (``TritonLoRAOps.linear_deferring_delta``: a one-slice product at decode sizes); else None.
-        ``gemm_rows``: the layer's ``gemm_shrink_rows`` where ``gemm_shrinks``."""
+        ``gemm_shrink_rows``: the layer's method of that name where ``gemm_shrinks``."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.linear_deferring_delta(
             x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots, shrunk,
-            gemm_rows,
+            gemm_shrink_rows,
         )  # fmt: skip
 
     def add_lora_embedding(

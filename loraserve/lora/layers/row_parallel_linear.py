@@ -28,7 +28,7 @@ class RowParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
                 shrunk = self.take_shrunk(x)
                 deferred = pw.linear_deferring_delta(
                     x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, shrunk=shrunk,
-                    gemm_rows=self.gemm_shrink_rows() if shrunk is None and pw.gemm_shrinks else None,
+                    gemm_shrink_rows=self.gemm_shrink_rows if pw.gemm_shrinks else None,
                 )  # fmt: skip
                 if deferred is not None:  # the base product; the norm reading it adds the delta (row_delta)
                     y, delta = deferred

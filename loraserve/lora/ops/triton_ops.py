@@ -184,13 +184,14 @@ class TritonLoRAOps:
         )
 
     def linear_deferring_delta(
-        self, x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, meta, token_slots, shrunk=None, gemm_rows=None
+        self, x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, meta, token_slots, shrunk=None, gemm_shrink_rows=None
     ) -> tuple[torch.Tensor, PendingDelta] | None:
         """(x W^T + b, the delta left to its reader): the shrink (or ``shrunk``, x's shrink computed by the
         launch that wrote x), then the plain decode GEMM as the shrink's PDL dependent (``after_shrink``: it
         streams W while the shrink runs; its completion implies the shrink's, so its reader, a link of the PDL
-        chain, finds buf written). With ``gemm_rows`` (the layer's ``gemm_shrink_rows``: A's pieces in W's
-        dtype) where ``row_delta.shrink_in_gemm`` takes them, no shrink launch: the GEMM's extra column blocks
+        chain, finds buf written). With ``gemm_shrink_rows`` (the layer's method: A's pieces in W's dtype, built
+        on first call, so only where this path gets that far) where ``row_delta.shrink_in_gemm`` takes them, no
+        shrink launch: the GEMM's extra column blocks
         compute every slot's shrink, a plane per piece (``decode_linear(shrink_into=...)``), and the reader
         sums the planes of its token's slot's columns. Where ``row_delta`` is on (the default;
         LORASERVE_DEFER_DELTA=0 turns it off), one slice, ``row_delta.supports`` B, some slot has a rank and the
@@ -200,7 +201,8 @@ class TritonLoRAOps:
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
         if tiles is None:
             return None
-        if shrunk is None and gemm_rows is not None and row_delta.shrink_in_gemm(gemm_rows, weight, tiles.block_n):
+        gemm_rows = gemm_shrink_rows() if shrunk is None and gemm_shrink_rows is not None else None
+        if gemm_rows is not None and row_delta.shrink_in_gemm(gemm_rows, weight, tiles.block_n):
             if _max_rank(lora_a_stacked, ranks, meta) == 0:
                 return None
             P, S, R, K = gemm_rows.shape
