@@ -310,7 +310,8 @@ for stage in "$@"; do
             new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
             E2E_EXTRA=--bf16-loras e2e_per_setting 120 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" "LORASERVE_GEMM_SHRINK=1"  # bf16 A: one piece
             trace_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" "LORASERVE_GEMM_SHRINK=1"
-            [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || gpu_tests 240  # (set when little device time is left)
+            # every GPU test with the GEMM shrink on: the setting that would become the default
+            [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || (export LORASERVE_GEMM_SHRINK=1; gpu_tests 240)  # (set when little device time is left)
             ;;
         trace8b21)
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_ATTN_SHRINK=1"
