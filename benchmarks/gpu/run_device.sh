@@ -285,7 +285,7 @@ for stage in "$@"; do
             # o's and down's delta left to the norm after them (row_delta, then opt-in: LORASERVE_DEFER_DELTA=1) and o's shrink in
             # attention (second form, LORASERVE_ATTN_SHRINK=1): their tests, then bench_e2e Qwen-0.5B for each
             # setting and step_trace's Qwen-0.5B timeline for the default and the deferred delta
-            new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
+            [ -n "${SKIP_NEW_TESTS:-}" ] || new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_attention_shrink.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
             e2e_per_setting 90 qwen2.5-0.5b "" "LORASERVE_DEFER_DELTA=1" "LORASERVE_ATTN_SHRINK=1" "LORASERVE_DEFER_DELTA=1 LORASERVE_ATTN_SHRINK=1"
             trace_per_setting 90 qwen2.5-0.5b "" "LORASERVE_DEFER_DELTA=1"
             ;;
@@ -299,7 +299,7 @@ for stage in "$@"; do
         gemm23)
             # o's and down's shrink as their GEMM's extra column blocks (row_delta.GEMM_SHRINK, on by default; =0: the shrink
             # launch of session 22): the tests of the kernels it touches, bench_e2e Qwen-0.5B both ways, step_trace both ways
-            new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
+            [ -n "${SKIP_NEW_TESTS:-}" ] || new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
             e2e_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" ""
             trace_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" ""
             gpu_tests 240
@@ -307,7 +307,7 @@ for stage in "$@"; do
         gemm24)
             # the second form of o's and down's shrink in their GEMM (A's rows in W's dtype, one K loop: W's registers):
             # its tests, bench_e2e and step_trace Qwen-0.5B off (LORASERVE_GEMM_SHRINK=0) and on, every GPU test
-            new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
+            [ -n "${SKIP_NEW_TESTS:-}" ] || new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
             E2E_EXTRA=--bf16-loras e2e_per_setting 120 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" "LORASERVE_GEMM_SHRINK=1"  # bf16 A: one piece
             trace_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" "LORASERVE_GEMM_SHRINK=1"
             # every GPU test with the GEMM shrink on: the setting that would become the default
