@@ -58,9 +58,9 @@
 #                                               their tests, bench_e2e Qwen-0.5B per setting, step_trace Qwen-0.5B
 #   bash benchmarks/gpu/run_device.sh final22   # every GPU test, bench_e2e Qwen-0.5B with o's/down's delta in the norms off and on,
 #                                               and Llama-8B
-#   bash benchmarks/gpu/run_device.sh gemm23    # o's and down's shrink in their GEMM (extra column blocks) off and on: its tests,
-#                                               bench_e2e and step_trace Qwen-0.5B per setting, every GPU test
-#   bash benchmarks/gpu/run_device.sh gemm24    # its second form (A's rows in W's dtype, one K loop), the same measurements
+#   bash benchmarks/gpu/run_device.sh gemm24    # o's and down's shrink as their GEMM's extra column blocks (A's rows in W's dtype,
+#                                               one K loop; session 23's first form, measured slower, is gone) off and on: its
+#                                               tests, bench_e2e and step_trace Qwen-0.5B per setting, every GPU test with it on
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -295,14 +295,6 @@ for stage in "$@"; do
             gpu_tests 240
             e2e_per_setting 90 qwen2.5-0.5b "LORASERVE_DEFER_DELTA=0" ""
             e2e_per_setting 150 llama-3.1-8b ""
-            ;;
-        gemm23)
-            # o's and down's shrink as their GEMM's extra column blocks (row_delta.GEMM_SHRINK, on by default; =0: the shrink
-            # launch of session 22): the tests of the kernels it touches, bench_e2e Qwen-0.5B both ways, step_trace both ways
-            [ -n "${SKIP_NEW_TESTS:-}" ] || new_tests 200 -n 4 tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py tests/gpu/test_norm_shrink.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_gated_lora.py
-            e2e_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" ""
-            trace_per_setting 90 qwen2.5-0.5b "LORASERVE_GEMM_SHRINK=0" ""
-            gpu_tests 240
             ;;
         gemm24)
             # the second form of o's and down's shrink in their GEMM (A's rows in W's dtype, one K loop: W's registers):

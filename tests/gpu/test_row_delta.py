@@ -217,7 +217,8 @@ def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch, gemm
     monkeypatch.setattr(row_delta, "ENABLED", True)
     assert ops.defers_delta
     rows = torch.stack(exact_pieces(As[0][:, 0], weight.dtype)).contiguous() if gemm_shrink else None
-    y, delta = ops.linear_deferring_delta(*args, None, None if rows is None else (lambda: rows))
+    gemm_shrink_rows = (lambda: rows) if gemm_shrink else None  # as a layer's method
+    y, delta = ops.linear_deferring_delta(*args, None, gemm_shrink_rows)
     assert delta.slot_cols == (R if gemm_shrink else 0), "every slot's shrink from the GEMM, or the token's own"
     assert delta.buf.shape[-1] == (S * R if gemm_shrink else R)
     from loraserve.layers.triton_decode_linear import decode_linear
@@ -233,7 +234,7 @@ def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch, gemm
     _, got_res = tew.fused_add_rms_norm(y, res, w, 1e-6, delta=delta)
     _, want_res = tew.fused_add_rms_norm(delta.add_to(y), res, w, 1e-6)
     assert_within_a_rounding(got_res, want_res, want_res.abs() + res.abs(), "the norm's launch adds it (its planes)")
-    no_rank = (x, weight, None, As, Bs, [0] * S, meta, mapping.token_slots, None, None if rows is None else (lambda: rows))
+    no_rank = (x, weight, None, As, Bs, [0] * S, meta, mapping.token_slots, None, gemm_shrink_rows)
     assert ops.linear_deferring_delta(*no_rank) is None, "no rank"
     two = ops.linear_deferring_delta(x, weight, None, As * 2, Bs * 2, ranks, meta, mapping.token_slots)
     assert two is None, "one slice only (a row-parallel projection)"

@@ -191,11 +191,10 @@ class TritonLoRAOps:
         streams W while the shrink runs; its completion implies the shrink's, so its reader, a link of the PDL
         chain, finds buf written). With ``gemm_shrink_rows`` (the layer's method: A's pieces in W's dtype, built
         on first call, so only where this path gets that far) where ``row_delta.shrink_in_gemm`` takes them, no
-        shrink launch: the GEMM's extra column blocks
-        compute every slot's shrink, a plane per piece (``decode_linear(shrink_into=...)``), and the reader
-        sums the planes of its token's slot's columns. Where ``row_delta`` is on (the default;
-        LORASERVE_DEFER_DELTA=0 turns it off), one slice, ``row_delta.supports`` B, some slot has a rank and the
-        decode GEMM applies; else None."""
+        shrink launch: the GEMM's extra column blocks compute every slot's shrink, a plane per piece
+        (``decode_linear(shrink_into=...)``), and the reader sums the planes of its token's slot's columns.
+        Where ``row_delta`` is on (the default; LORASERVE_DEFER_DELTA=0 turns it off), one slice,
+        ``row_delta.supports`` B, some slot has a rank and the decode GEMM applies; else None."""
         if not row_delta.ENABLED or len(lora_b_stacked) != 1 or not row_delta.supports(x.dtype, lora_b_stacked[0]):
             return None
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
