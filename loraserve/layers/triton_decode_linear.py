@@ -456,13 +456,18 @@ def _decode_linear_kernel(
     USE_PDL: tl.constexpr,
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain (utils.pdl_chain)
     WAIT_FIRST: tl.constexpr,  # (PDL_CHAIN) wait for the kernel before us before reading x
+    TRIGGER_AFTER_WAIT: tl.constexpr,  # (WAIT_FIRST) let our dependent launch only once that wait returned
     PF_AHEAD: tl.constexpr,  # (HAS_LORA) K steps before the loop's end at which B is pulled into L2 (0: never)
     PF_SLOTS: tl.constexpr,  # slots whose B is pulled (a power of 2 >= S)
     PF_LINES: tl.constexpr,  # 128-byte lines of one slot's B for this block's columns (a power of 2)
 ):
     pid = tl.program_id(0)
     if PDL_CHAIN:
-        pdl_link(WAIT_FIRST)
+        if TRIGGER_AFTER_WAIT:  # our dependent may read what the kernel before us wrote before its own wait
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        else:
+            pdl_link(WAIT_FIRST)
     if SPLIT_W == 1:
         pid_n = pid
         k_lo = pid * 0
@@ -552,6 +557,7 @@ def decode_linear(
     tiles: DecodeTiles | None = None,
     after_shrink: bool = False,
     shrink_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    trigger_after_wait: bool = False,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ weight (N, K)^T (+ bias) (+ the LoRA delta of ``lora``), in x's dtype.
 
@@ -563,6 +569,9 @@ def decode_linear(
     x a^T unrounded, a (NA, K) in W's dtype and row stride (a LoRA layer's ``gemm_shrink_rows``: every slot's A, in
     pieces that sum to it), NA a multiple of the tiles' block_n: NA / block_n more column blocks, each the
     same K loop as W's (products in W's dtype, fp32 sums), beside W's.
+    ``trigger_after_wait`` (an ordinary link of the PDL chain: no ``lora``, not ``after_shrink``): each program
+    lets the next launch start only after its wait for the kernel before it, so that the next launch, before
+    its own wait, may read what that kernel wrote (``gated_lora``'s ``s_ready``: the norm's shrink of x).
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -579,6 +588,9 @@ def decode_linear(
     )
     assert not (after_shrink and lora is not None), "after_shrink is for a GEMM without the epilogue"
     pdl = after_shrink and use_pdl(x.device)
+    assert not (trigger_after_wait and (after_shrink or lora is not None)), (
+        "trigger_after_wait is for an ordinary link of the PDL chain (no epilogue, not after_shrink)"
+    )
     pf = dict(PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1)
     if lora is not None:
         b0 = lora.lora_b[0]
@@ -649,7 +661,8 @@ def decode_linear(
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32,
         # NOTE: as the shrink's dependent (USE_PDL) we may read x at once: the shrink waited for it before
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
-        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl,
+        TRIGGER_AFTER_WAIT=chain and not pdl and trigger_after_wait, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain,
         **pf,
         **lora_consts,

@@ -138,6 +138,44 @@ def test_linear_with_lora_takes_the_norms_shrink(gated, monkeypatch):
         assert not torch.equal(y[lora_rows], base[lora_rows]), "the delta was added"
 
 
+def test_gated_early_delta_reads_the_norms_shrink_before_its_wait(monkeypatch):
+    """The norm's shrink, gate/up's GEMM, then the gated SiLU-and-mul with the delta computed before its PDL wait
+    (``gated_lora.EARLY_DELTA``: the GEMM lets it launch only after the norm finished, ``trigger_after_wait``,
+    and it reads the norm's buf at once, ``s_ready``): bit-equal to the same launches with buf read after the
+    wait. On the GPU the chain runs under PDL (on the CPU the launches are sequential: the numbers only). The
+    norm's buf is allocated where NaN was just freed, so a read of buf before the norm wrote it would show."""
+    from loraserve.lora.ops.triton import gated_lora
+
+    monkeypatch.setattr(gated_lora, "prefer", lambda N, K: True)
+    monkeypatch.setattr(ns, "ENABLED", True)
+    T, K, S, R = 32, 896, 8, 16
+    D = 4864 if DEV.type == "cuda" else 256  # Qwen2.5-0.5B's gate/up on the GPU
+    x, res, w, As, _, ranks, slots = random_case(T, K, 2, S, R, torch.float16, torch.float16, seed=11)
+    g = torch.Generator().manual_seed(12)
+    _, Bs = lora_stacks(g, S, R, K, (D, D), ranks, torch.float16)
+    weight = (torch.randn(2 * D, K, generator=g) * 0.05).to(DEV, torch.float16)
+    mapping, meta = mapping_of(slots)
+    ops = TritonLoRAOps(DEV)
+    calls = []
+    real = gated_lora.silu_and_mul_lora
+    monkeypatch.setattr(gated_lora, "silu_and_mul_lora", lambda *a, **k: calls.append(k["s_ready"]) or real(*a, **k))
+
+    def chain():
+        junk = [torch.full((1, 2, T, R), float("nan"), device=DEV) for _ in range(32)]  # freed, then reused
+        del junk
+        out, _, buf = ops.norm_shrink(x, res, w, 1e-6, As, Bs, ranks, weight, meta, mapping.token_slots)
+        return ops.linear_with_lora(out, weight, None, As, Bs, ranks, meta, mapping.token_slots, True, shrunk=buf)
+
+    monkeypatch.setattr(gated_lora, "EARLY_DELTA", False)
+    want = chain()
+    monkeypatch.setattr(gated_lora, "EARLY_DELTA", True)
+    for _ in range(3):
+        got = chain()
+        assert torch.equal(got, want), "the early delta must be the same bits"
+    assert calls == [False, True, True, True], calls
+    assert not torch.isnan(want).any()
+
+
 def test_norm_shrink_is_off_unless_enabled_or_unsupported(monkeypatch):
     T, K, S, R = 4, 256, 2, 16
     x, res, w, As, Bs, ranks, slots = random_case(T, K, 1, S, R, torch.float16, torch.float16, seed=3)

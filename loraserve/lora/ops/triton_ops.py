@@ -141,15 +141,18 @@ class TritonLoRAOps:
             return None if then_silu_and_mul else decode.decode_linear(x, weight, bias, tiles=tiles)
         buf, pdl = shrink
         if then_silu_and_mul:
-            y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
+            # s computed by x's writer (the norm): the gated launch may read it before its wait (EARLY_DELTA)
+            early = shrunk is not None and gated_lora.EARLY_DELTA
+            y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl, trigger_after_wait=early)
             down = None
             if then_shrink is not None and gated_lora.SHRINK_ENABLED:
                 down = then_shrink(y[:, : y.shape[1] // 2])  # an input like the activation's output
                 if down is not None and not gated_lora.shrink_supports(down.lora_a, y):
                     down = None
             if down is None:
-                return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots)
-            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, down=(down.lora_a, down.ranks))
+                return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, s_ready=early)
+            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, down=(down.lora_a, down.ranks),
+                                                s_ready=early)  # fmt: skip
         epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
 

@@ -51,6 +51,10 @@ from loraserve.lora.ops.triton.utils import (
 # (session 21, H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, with o's in attention: this kernel 5.8 -> 12.3 µs a layer, more
 # than the 5.0 µs shrink launch it saves; the step 1.39 -> 1.76 ms): kept to build on, and its tests run it
 SHRINK_ENABLED = os.environ.get("LORASERVE_GATED_SHRINK", "0") == "1"
+# Where the norm before gate_up computed its shrink (``norm_shrink``), gate_up's GEMM lets this launch start only after
+# its own wait for the norm, and the delta is computed before this launch's wait, off the chain's critical path
+# (LORASERVE_GATED_EARLY_DELTA=1; opt-in until timed on a GPU)
+EARLY_DELTA = os.environ.get("LORASERVE_GATED_EARLY_DELTA", "0") == "1"
 MAX_TOKENS = 32  # one tile of tokens; a decode step's batch (decode_linear.MAX_TOKENS)
 MAX_SHRINK_ROWS = 256  # rows of (slot, rank) of down's A tile a program holds (shrink_supports): 8 slots of rank 16 take 128
 DEFAULT_BLOCK_N = 64  # columns of each half a program owns (the --gated sweep's fastest; silu_and_mul_lora)
@@ -84,6 +88,7 @@ def _silu_and_mul_lora_kernel(
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
     PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain: B and the slots before the wait, y and buf after
+    S_READY: tl.constexpr,  # (PDL_CHAIN) buf was complete before this launch started: the delta before the wait
     # down's shrink of the output (``SHRINK``): the next projection's A, its ranks, the (1, 1, M, RA) total
     # and the workspace of the partials (planes of every program, then of every group) and arrival counters
     da_ptr,  # (S, 1, RA, D): down's A
@@ -119,14 +124,14 @@ def _silu_and_mul_lora_kernel(
         # B before the wait: launched early, this kernel loads it while the GEMM still streams W
         bg = lora_b_chunk(bg_ptr, stride_wsg, n0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
         bu = lora_b_chunk(bu_ptr, stride_wsu, n0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
-        if PDL_CHAIN:  # buf is the shrink's, which finished before the GEMM did (decode_linear's after_shrink)
+        if PDL_CHAIN and not S_READY:  # buf is the shrink's, which finished before the GEMM did (after_shrink)
             tl.extra.cuda.gdc_wait()
         sg = slot_columns(buf_ptr, stride_bm, stride_bsp, slot, m_mask, chunk, SPLIT_K, R, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, RED)
         su = slot_columns(buf_ptr + stride_bi, stride_bm, stride_bsp, slot, m_mask, chunk, SPLIT_K, R, BLOCK_M, BLOCK_R,
                           SLOTS_PER_CHUNK, RED)  # fmt: skip
         dg = expand_chunk(dg, bg, sg, LORA_CDT, LORA_IEEE)
         du = expand_chunk(du, bu, su, LORA_CDT, LORA_IEEE)
-    if PDL_CHAIN:  # (S >= 1, so the loop has waited: a safety for S == 0; a met wait returns at once)
+    if PDL_CHAIN:  # y is the GEMM's (S_READY: the first wait; else S >= 1 has waited, a met wait returns at once)
         tl.extra.cuda.gdc_wait()
     mask = n_mask[:, None] & m_mask[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -244,6 +249,7 @@ def silu_and_mul_lora(
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = 8,
     down: tuple[torch.Tensor, torch.Tensor] | None = None,
+    s_ready: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(M, 2D) base gate/up output + the delta of (buf, lora_b) per token's slot -> silu(gate) * up (M, D).
 
@@ -259,6 +265,10 @@ def silu_and_mul_lora(
     then (out, dbuf), dbuf (1, 1, M, RA) fp32 = out @ A[slot]^T per token, what ``lora_shrink(out, ...,
     zero_fill=True)`` gives (every column r < RA of every row written, zeros past the slot's rank and for
     base tokens), the down GEMM's ``shrunk``: its shrink launch is not needed.
+
+    ``s_ready``: buf was complete before this launch could start (the norm wrote it, and the GEMM before this
+    launch, ``decode_linear(trigger_after_wait=True)``, lets it launch only after waiting for the norm): the
+    whole delta is computed before the PDL wait, and after it only y is read (``EARLY_DELTA``).
     """
     M, D2 = y.shape
     D = D2 // 2
@@ -312,6 +322,6 @@ def silu_and_mul_lora(
         R=R, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         SLOTS_PER_CHUNK=slots_per_chunk(S, block_r), RED=min(triton.next_power_of_2(P), 16),
         LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and y.dtype == torch.float32,
-        PDL_CHAIN=chain, num_warps=num_warps, launch_pdl=chain, **shrink_kw,
+        PDL_CHAIN=chain, S_READY=s_ready, num_warps=num_warps, launch_pdl=chain, **shrink_kw,
     )  # fmt: skip
     return out if down is None else (out, dbuf)
