@@ -80,9 +80,9 @@ def current_lora_mapping() -> LoRAMapping | None:
 
 
 def defer_delta(y: torch.Tensor, delta: Any) -> None:
-    """Leave ``delta`` (``punica.PendingDelta``) to the next reader of y, which must ``take_deferred_delta(y)``
-    before anything else defers: a projection does this only where its model says what reads its output
-    (``output_feeds_norm``: the RMSNorm after it)."""
+    """Leave ``delta`` (``punica.PendingDelta`` or ``PendingQKVDelta``) to the next reader of y, which must
+    ``take_deferred_delta(y)`` before anything else defers: a projection does this only where its model says what
+    reads its output (``output_feeds_norm``: the RMSNorm after it; ``output_feeds_rotary``: the attention)."""
     ctx = get_forward_context()
     check_no_deferred_delta()
     ctx.deferred_delta = (y, delta)
@@ -105,5 +105,6 @@ def check_no_deferred_delta() -> None:
         _CURRENT.deferred_delta = None
         raise RuntimeError(
             f"a LoRA delta deferred to the reader of an output {tuple(y.shape)} was never taken: the module marked "
-            "output_feeds_norm does not feed an RMSNorm here; unmark it (or run with LORASERVE_DEFER_DELTA=0)"
+            "output_feeds_norm (output_feeds_rotary) does not feed an RMSNorm (the attention's rotary launch) here; "
+            "unmark it (or run with LORASERVE_DEFER_DELTA=0 / LORASERVE_DEFER_QKV=0)"
         )

@@ -61,8 +61,9 @@
 #   bash benchmarks/gpu/run_device.sh gemm24    # o's and down's shrink as their GEMM's extra column blocks (A's rows in W's dtype,
 #                                               one K loop; session 23's first form, measured slower, is gone) off and on: its
 #                                               tests, bench_e2e and step_trace Qwen-0.5B per setting, every GPU test with it on
-#   bash benchmarks/gpu/run_device.sh early26   # gate/up's delta before the gated SiLU-and-mul's wait (LORASERVE_GATED_EARLY_DELTA):
-#                                               its tests, bench_e2e and step_trace Qwen-0.5B off and on, every GPU test with it on
+#   bash benchmarks/gpu/run_device.sh early26   # gate/up's delta before the gated SiLU-and-mul's wait (LORASERVE_GATED_EARLY_DELTA), qkv's
+#                                               in the rotary launch (LORASERVE_DEFER_QKV): their tests, bench_e2e and step_trace
+#                                               Qwen-0.5B with neither, the first, both; every GPU test with both on
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -308,12 +309,15 @@ for stage in "$@"; do
             [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || (export LORASERVE_GEMM_SHRINK=1; gpu_tests 240)  # (set when little device time is left)
             ;;
         early26)
-            # gate/up's delta computed before the gated SiLU-and-mul's PDL wait (its GEMM lets it launch after the norm
-            # that wrote s finished): its tests, bench_e2e and step_trace Qwen-0.5B off and on, every GPU test with it on
-            [ -n "${SKIP_NEW_TESTS:-}" ] || (export LORASERVE_GATED_EARLY_DELTA=1; new_tests 200 -n 4 tests/gpu/test_norm_shrink.py tests/gpu/test_gated_lora.py tests/gpu/test_decode_linear.py tests/gpu/test_fused_decoder_path.py)
-            E2E_EXTRA=--bf16-loras e2e_per_setting 120 qwen2.5-0.5b "LORASERVE_GATED_EARLY_DELTA=0" "LORASERVE_GATED_EARLY_DELTA=1"
-            trace_per_setting 90 qwen2.5-0.5b "LORASERVE_GATED_EARLY_DELTA=0" "LORASERVE_GATED_EARLY_DELTA=1"
-            [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || (export LORASERVE_GATED_EARLY_DELTA=1; gpu_tests 240)
+            # two LoRA deltas computed before a PDL wait, off the chain's critical path (the GEMM before lets the reader
+            # launch only after its own wait for the norm that wrote s): gate/up's in the gated SiLU-and-mul
+            # (LORASERVE_GATED_EARLY_DELTA) and qkv's in the rotary + KV-cache launch (LORASERVE_DEFER_QKV). Their tests,
+            # bench_e2e and step_trace Qwen-0.5B with neither, the first, both; every GPU test with both on
+            both="LORASERVE_GATED_EARLY_DELTA=1 LORASERVE_DEFER_QKV=1"
+            [ -n "${SKIP_NEW_TESTS:-}" ] || (export $both; new_tests 200 -n 4 tests/gpu/test_qkv_delta.py tests/gpu/test_norm_shrink.py tests/gpu/test_gated_lora.py tests/gpu/test_decode_linear.py tests/gpu/test_row_delta.py tests/gpu/test_triton_elementwise.py tests/gpu/test_fused_decoder_path.py)
+            E2E_EXTRA=--bf16-loras e2e_per_setting 120 qwen2.5-0.5b "LORASERVE_GATED_EARLY_DELTA=0" "LORASERVE_GATED_EARLY_DELTA=1" "$both"
+            trace_per_setting 90 qwen2.5-0.5b "LORASERVE_GATED_EARLY_DELTA=0" "LORASERVE_GATED_EARLY_DELTA=1" "$both"
+            [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || (export $both; gpu_tests 240)
             ;;
         trace8b21)
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_ATTN_SHRINK=1"

@@ -120,6 +120,7 @@ class Attention(nn.Module):
         positions: torch.Tensor | None = None,
         rotary_emb: RotaryEmbedding | None = None,
         feeds: nn.Module | None = None,
+        qkv_delta=None,
     ) -> torch.Tensor:
         """q (T, Hq*D), k/v (T, Hk*D) (or (T, H, D) views, head_dim contiguous) -> (T, Hq*D).
 
@@ -132,6 +133,9 @@ class Attention(nn.Module):
         ``feeds``: the layer the output goes to (o_proj). Where it is LoRA'd (``fused_shrink_operands``) and
         this is a decode step on the Triton kernel, the attention launch computes its shrink too, kept for it
         (``keep_shrunk``): o_proj then runs no shrink launch.
+
+        ``qkv_delta``: the LoRA delta the qkv projection left to this launch (a ``punica.PendingQKVDelta``;
+        ``takes_qkv_delta`` says where): the rotary launch adds it to q, k and v first.
         """
         md = get_forward_context().attn
         T = q.shape[0]
@@ -140,10 +144,11 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         assert self.k_cache is not None, "KV cache not bound; the model runner binds it before the first forward"
         assert (positions is None) == (rotary_emb is None), "pass positions and rotary_emb together"
+        assert qkv_delta is None or self.takes_qkv_delta(rotary_emb), "a qkv delta where the rotary launch is not run"
         if rotary_emb is not None and self._kernel is not None and FUSED_ELEMENTWISE:
             cos, sin = rotary_emb.cos_sin(positions, q.dtype)  # (T, rotary_dim) each, shared per forward
             q = elementwise_kernels().rotary_kv_cache(
-                q, k, v, cos, sin, self.k_cache, self.v_cache, md.slot_mapping
+                q, k, v, cos, sin, self.k_cache, self.v_cache, md.slot_mapping, delta=qkv_delta
             )  # (T, Hq, D)
         else:
             if rotary_emb is not None:
@@ -161,6 +166,11 @@ class Attention(nn.Module):
         out = o.reshape(T, self.num_heads * self.head_dim)
         feeds.keep_shrunk(out, obuf)
         return out
+
+    def takes_qkv_delta(self, rotary_emb: RotaryEmbedding | None) -> bool:
+        """Whether ``forward`` adds a qkv delta in its rotary launch (the Triton kernels, with rotary): else the
+        caller adds it to qkv itself (``PendingQKVDelta.add_to``)."""
+        return rotary_emb is not None and self._kernel is not None and FUSED_ELEMENTWISE
 
     def _fused_shrink(self, q: torch.Tensor, md, feeds: nn.Module | None):
         """(A, ranks, token slots) for the Triton kernel to compute ``feeds``' LoRA shrink of the output, where

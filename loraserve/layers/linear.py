@@ -126,6 +126,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Packed q, k, v projections, sharded by heads. With fewer kv heads than ranks, kv heads are replicated."""
 
+    # set by a model whose attention's rotary + KV-cache launch reads this layer's output directly (no q/k norm in
+    # between): a LoRA'd wrapper may then leave its delta to that launch (row_delta.QKV_ENABLED; forward_context.defer_delta)
+    output_feeds_rotary = False
+
     def __init__(
         self,
         hidden_size: int,

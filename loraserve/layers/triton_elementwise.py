@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from loraserve.lora.ops.triton import row_delta
-from loraserve.lora.ops.triton.row_delta import delta_b_tile, plus_delta
+from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of, plus_delta, shrunk_row
 from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, tl_dtype
 
 
@@ -198,17 +198,27 @@ def _rotate_half(x1, x2, c, s):
 
 
 @triton.jit
-def _rotate_row(x_row, o_row, c, s, offs, mask, HALF, D, REST_BLOCK: tl.constexpr):
-    """Rotate one head at x_row (rotary dims [0, 2*HALF)) into o_row; dims [2*HALF, D) copied."""
-    x1 = tl.load(x_row + offs, mask=mask, other=0.0)
-    x2 = tl.load(x_row + HALF + offs, mask=mask, other=0.0)
+def _rotate_row(x_row, o_row, c, s, offs, mask, HALF, D, REST_BLOCK: tl.constexpr, d1, d2, d_rest):
+    """Rotate one head at x_row (rotary dims [0, 2*HALF)) into o_row; dims [2*HALF, D) copied. d1, d2, d_rest
+    (fp32, or None): a LoRA delta added to the head's halves and rest first (``_plus``)."""
+    x1 = _plus(tl.load(x_row + offs, mask=mask, other=0.0), d1)
+    x2 = _plus(tl.load(x_row + HALF + offs, mask=mask, other=0.0), d2)
     o1, o2 = _rotate_half(x1, x2, c, s)
     tl.store(o_row + offs, o1, mask=mask)
     tl.store(o_row + HALF + offs, o2, mask=mask)
     if REST_BLOCK > 0:
         r = 2 * HALF + tl.arange(0, REST_BLOCK)
         rmask = r < D
-        tl.store(o_row + r, tl.load(x_row + r, mask=rmask, other=0.0), mask=rmask)
+        tl.store(o_row + r, _plus(tl.load(x_row + r, mask=rmask, other=0.0), d_rest), mask=rmask)
+
+
+@triton.jit
+def _plus(x, d):
+    """x + d rounded once to x's dtype (PEFT's order: the base output rounded, the LoRA delta added in fp32);
+    x itself where d is None."""
+    if d is not None:
+        x = (x.to(tl.float32) + d).to(x.dtype)
+    return x
 
 
 @triton.jit
@@ -236,7 +246,7 @@ def _rotary_kernel(
     s = tl.load(sin_ptr + t * stride_c + offs, mask=mask, other=0.0)
     x_row = x_ptr + t * stride_xt + hd * stride_xh
     o_row = out_ptr + t * stride_ot + hd * stride_oh
-    _rotate_row(x_row, o_row, c, s, offs, mask, HALF, D, REST_BLOCK)
+    _rotate_row(x_row, o_row, c, s, offs, mask, HALF, D, REST_BLOCK, None, None, None)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -268,33 +278,65 @@ def _rotary_kv_cache_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cs, stride_ch, stride_c, Hq, HALF, D,
     ROT_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, PDL_CHAIN: tl.constexpr,
+    # qkv's pending LoRA delta (``row_delta.qkv_kernel_args``): its shrink's buf (q's, k's, v's slices), their B
+    # stacks and the tokens' slots; buf is complete before this launch starts (see rotary_kv_cache)
+    d_buf_ptr, dbq_ptr, dbk_ptr, dbv_ptr, d_slots_ptr, stride_dbq, stride_dbk, stride_dbv, stride_dsp, stride_dsi,
+    stride_dsm, D_P, D_R, HAS_DELTA: tl.constexpr, D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr,
 ):  # fmt: skip
-    if PDL_CHAIN:  # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait
-        pdl_link(True)
+    # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait, but for the delta's
+    # operands (weights, the mapping, and the shrink its predecessor's own wait covered)
+    if PDL_CHAIN:
+        pdl_link(not HAS_DELTA)
     # grid (T, Hq + Hk): program (t, h) rotates q head h (h < Hq) into q_out, or k head h - Hq into the
     # cache row slot_mapping[t] and copies v head h - Hq there too
     t = tl.program_id(0).to(tl.int64)
     hd = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, ROT_BLOCK)
     mask = offs < HALF
+    d = tl.arange(0, D_BLOCK)
+    dmask = d < D
+    if HAS_DELTA:  # this head's delta, before the wait: q's columns of B (slice 0), or k's (1) and v's (2)
+        kh = tl.maximum(hd - Hq, 0)
+        if hd < Hq:  # (`hd * 0 + c`: both branches give a variable the same type)
+            b_ptr, col, stride_b, sl = dbq_ptr, hd * D, stride_dbq, hd * 0
+        else:
+            b_ptr, col, stride_b, sl = dbk_ptr, kh * D, stride_dbk, hd * 0 + 1
+        slot, b1 = delta_b_tile(b_ptr, d_slots_ptr, t, stride_b, col + offs, mask, D_R, D_BLOCK_R)
+        _, b2 = delta_b_tile(b_ptr, d_slots_ptr, t, stride_b, col + HALF + offs, mask, D_R, D_BLOCK_R)
+        s_h = shrunk_row(slot, d_buf_ptr + sl * stride_dsi, t, stride_dsp, stride_dsm, 0, D_P, D_R, D_BLOCK_R, D_RED,
+                         D_CDT)  # fmt: skip
+        d1 = delta_of(b1, s_h)
+        d2 = delta_of(b2, s_h)
+        if REST_BLOCK > 0:
+            r_offs = 2 * HALF + tl.arange(0, REST_BLOCK)
+            _, b_rest = delta_b_tile(b_ptr, d_slots_ptr, t, stride_b, col + r_offs, r_offs < D, D_R, D_BLOCK_R)
+            d_rest = delta_of(b_rest, s_h)
+        else:
+            d_rest = None
+        _, bv = delta_b_tile(dbv_ptr, d_slots_ptr, t, stride_dbv, kh * D + d, dmask & (hd >= Hq), D_R, D_BLOCK_R)
+        s_v = shrunk_row(slot, d_buf_ptr + 2 * stride_dsi, t, stride_dsp, stride_dsm, 0, D_P, D_R, D_BLOCK_R, D_RED,
+                         D_CDT)  # fmt: skip
+        dv = delta_of(bv, s_v)
+        if PDL_CHAIN:
+            tl.extra.cuda.gdc_wait()
+    else:
+        d1, d2, d_rest, dv = None, None, None, None
     c = tl.load(cos_ptr + t * stride_c + offs, mask=mask, other=0.0)  # rows cat(f, f): first half
     s = tl.load(sin_ptr + t * stride_c + offs, mask=mask, other=0.0)
     if hd < Hq:
         _rotate_row(
             q_ptr + t * stride_qt + hd * stride_qh, q_out_ptr + t * stride_ot + hd * stride_oh,
-            c, s, offs, mask, HALF, D, REST_BLOCK,
+            c, s, offs, mask, HALF, D, REST_BLOCK, d1, d2, d_rest,
         )  # fmt: skip
     else:
         kh = hd - Hq
-        slot = tl.load(slot_ptr + t).to(tl.int64)
+        cache_slot = tl.load(slot_ptr + t).to(tl.int64)
         _rotate_row(
-            k_ptr + t * stride_kt + kh * stride_kh, k_cache_ptr + slot * stride_cs + kh * stride_ch,
-            c, s, offs, mask, HALF, D, REST_BLOCK,
+            k_ptr + t * stride_kt + kh * stride_kh, k_cache_ptr + cache_slot * stride_cs + kh * stride_ch,
+            c, s, offs, mask, HALF, D, REST_BLOCK, d1, d2, d_rest,
         )  # fmt: skip
-        d = tl.arange(0, D_BLOCK)
-        dmask = d < D
-        v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=dmask, other=0.0)
-        tl.store(v_cache_ptr + slot * stride_cs + kh * stride_ch + d, v, mask=dmask)
+        v = _plus(tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=dmask, other=0.0), dv)
+        tl.store(v_cache_ptr + cache_slot * stride_cs + kh * stride_ch + d, v, mask=dmask)
 
 
 def rotary_kv_cache(
@@ -306,6 +348,7 @@ def rotary_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    delta=None,
 ) -> torch.Tensor:
     """Rotate q and k by cos/sin, write rotated k and v into the paged cache; return rotated q. One launch.
 
@@ -317,6 +360,12 @@ def rotary_kv_cache(
     ``rotate_torch(k, cos, sin)`` and ``v_cache[slot_mapping]`` holds v, exactly as the torch path's
     ``k_cache[slot_mapping] = k`` after ``rotary`` leaves them; the returned q (T, Hq, D) equals
     ``rotary(q, cos, sin)``. No host syncs: capturable in CUDA graphs.
+
+    ``delta``: the qkv projection's pending LoRA delta (a ``punica.PendingQKVDelta``; q, k and v views of its
+    output), added to q, k and v first (``row_delta``'s numbers: each rounded once, then rotated or stored).
+    Each program computes its head's delta before its PDL wait, so delta's buf must be complete before this
+    launch can start: the kernel before it waited for buf's writer before letting it launch
+    (``decode_linear(trigger_after_wait=True)``), or no PDL.
     """
     T, Hq, D = q.shape
     Hk = k.shape[1]
@@ -348,5 +397,6 @@ def rotary_kv_cache(
             out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), cos.stride(0), Hq, half, D,
             ROT_BLOCK=triton.next_power_of_2(half), REST_BLOCK=triton.next_power_of_2(rest) if rest else 0,
             D_BLOCK=triton.next_power_of_2(D), PDL_CHAIN=chain, num_warps=1, launch_pdl=chain,
+            **row_delta.qkv_kernel_args(delta, q, Hk),
         )  # fmt: skip
     return out

@@ -175,6 +175,30 @@ class PendingDelta(NamedTuple):
         return (y.float() + torch.einsum("tnr,tr->tn", b, s)).to(y.dtype)
 
 
+class PendingQKVDelta(NamedTuple):
+    """qkv_proj's LoRA delta left to the attention's rotary + KV-cache launch (``rotary_kv_cache(delta=...)``,
+    ``row_delta.QKV_ENABLED``): x's shrink as the input norm computed it (buf (P, 3, T, R) fp32: q's, k's and v's
+    slices, every column of a LoRA token's row written, P planes to sum), the three B stacks (S, 1, N_i, R) and
+    each token's slot (-1 = base). The projection's output is the base product only; that launch adds
+    ``B_i[slot] s_i`` to each slice's columns, or, where it does not run, the model does (``add_to``)."""
+
+    buf: torch.Tensor
+    lora_b: tuple[torch.Tensor, ...]
+    token_slots: torch.Tensor
+
+    def add_to(self, y: torch.Tensor) -> torch.Tensor:
+        """y (T, N_q + N_k + N_v) + the delta, rounded once to y's dtype (a new tensor): the torch path's numbers."""
+        slots = self.token_slots.long()
+        deltas = []
+        for i, b in enumerate(self.lora_b):
+            s = self.buf[:, i].sum(0)  # (T, R) fp32, the planes summed in order
+            cdt = compute_dtype(y.dtype, b.dtype)
+            bs = b[slots.clamp(min=0), 0].to(cdt).float()  # (T, N_i, R)
+            s = torch.where((slots >= 0)[:, None], s, 0.0).to(cdt).float()
+            deltas.append(torch.einsum("tnr,tr->tn", bs, s))
+        return (y.float() + torch.cat(deltas, dim=1)).to(y.dtype)
+
+
 class PunicaWrapper:
     def __init__(self, max_loras: int, device: torch.device):
         self.max_loras = max_loras
@@ -201,6 +225,11 @@ class PunicaWrapper:
         """Whether a deferred delta's shrink may be its GEMM's extra columns (``row_delta.GEMM_SHRINK``): asked
         before the layer hands its ``gemm_shrink_rows``."""
         return self.fuses_linear and self.kernels.gemm_shrinks
+
+    @property
+    def defers_qkv_delta(self) -> bool:
+        """Whether ``qkv_deferring_delta`` can run at all (``row_delta.QKV_ENABLED``): asked first."""
+        return self.fuses_linear and self.kernels.defers_qkv_delta
 
     @staticmethod
     def mapping() -> LoRAMapping | None:
@@ -351,6 +380,25 @@ class PunicaWrapper:
             x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots, shrunk,
             gemm_shrink_rows,
         )  # fmt: skip
+
+    def qkv_deferring_delta(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        ranks: list[int],
+        shrunk: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, PendingQKVDelta] | None:
+        """(x W^T + b, qkv's LoRA delta left to the attention's rotary launch) where a kernel path does that
+        (``TritonLoRAOps.qkv_deferring_delta``: decode sizes, x's shrink computed by the norm that wrote x); else None."""
+        if not self.fuses_linear:
+            return None
+        mapping = self.mapping()
+        return self.kernels.qkv_deferring_delta(
+            x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots, shrunk
+        )
 
     def add_lora_embedding(
         self, y: torch.Tensor, ids: torch.Tensor, emb_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int]

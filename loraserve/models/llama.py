@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loraserve.forward_context import take_deferred_delta
 from loraserve.layers.activation import SiluAndMul
 from loraserve.layers.attention import Attention
 from loraserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -55,12 +56,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         T = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(h)
+        # a LoRA'd qkv_proj marked output_feeds_rotary may leave its delta to the attention's rotary launch
+        delta = take_deferred_delta(qkv)
+        if delta is not None and (self.qk_norm or not self.attn.takes_qkv_delta(self.rotary_emb)):
+            qkv, delta = delta.add_to(qkv), None
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(T, -1, self.head_dim))  # (T, Hq, D)
             k = self.k_norm(k.reshape(T, -1, self.head_dim))  # (T, Hk, D)
         # rotary + cache write fused on the GPU; feeds: a LoRA'd o_proj may get its shrink from the attention launch
-        o = self.attn(q, k, v, positions, self.rotary_emb, feeds=self.o_proj)
+        o = self.attn(q, k, v, positions, self.rotary_emb, feeds=self.o_proj, qkv_delta=delta)
         return self.o_proj(o)
 
 
@@ -96,9 +102,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Llama's o_proj and down return their output as is, and it goes straight into the next norm (the
         # post-attention one; the next layer's input norm, or the model's final one): a LoRA'd one may leave
-        # its delta to that norm (row_delta). Other modules' (MoE blocks, Olmoe's attention) are not marked.
+        # its delta to that norm (row_delta); qkv_proj's may go to the attention's rotary launch, which
+        # LlamaAttention hands it (not with q/k norms in between). Other modules' (MoE blocks, Olmoe's attention)
+        # are not marked.
         if type(self.self_attn) is LlamaAttention:
             self.self_attn.o_proj.output_feeds_norm = True
+            self.self_attn.qkv_proj.output_feeds_rotary = not self.self_attn.qk_norm
         if type(self.mlp) is LlamaMLP:
             self.mlp.down_proj.output_feeds_norm = True
 

@@ -20,7 +20,7 @@ from loraserve.lora.ops.triton import gated_lora, lora_prefill, norm_shrink, row
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
-from loraserve.lora.punica import FusedShrink, PendingDelta, SegmentMeta
+from loraserve.lora.punica import FusedShrink, PendingDelta, PendingQKVDelta, SegmentMeta
 
 
 class TritonLoRAOps:
@@ -51,6 +51,11 @@ class TritonLoRAOps:
     def gemm_shrinks(self) -> bool:
         """Whether a deferred delta's shrink may be the GEMM's extra columns (``row_delta.GEMM_SHRINK``)."""
         return row_delta.GEMM_SHRINK
+
+    @property
+    def defers_qkv_delta(self) -> bool:
+        """Whether qkv_proj may leave its delta to the attention's rotary launch (``row_delta.QKV_ENABLED``)."""
+        return row_delta.QKV_ENABLED
 
     def ranks_tensor(self, ranks: list[int]) -> torch.Tensor:
         """The device copy of a layer's per-slot ranks, refreshed in place when the list changed."""
@@ -219,6 +224,24 @@ class TritonLoRAOps:
         buf, pdl = shrink
         y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
         return y, PendingDelta(buf, lora_b_stacked[0], token_slots)
+
+    def qkv_deferring_delta(
+        self, x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, meta, token_slots, shrunk
+    ) -> tuple[torch.Tensor, PendingQKVDelta] | None:
+        """(x W^T + b, qkv's delta left to the attention's rotary + KV-cache launch): the plain decode GEMM, which
+        lets that launch start only after its own wait for the input norm (``trigger_after_wait``), so that
+        the launch reads the norm's shrink (``shrunk``) and computes the delta before its wait, while the GEMM
+        still runs. Where ``row_delta.QKV_ENABLED``, the norm computed x's shrink, three slices (q, k, v)
+        whose B ``row_delta.supports`` (any width), some slot has a rank and the decode GEMM applies; else None."""
+        if not row_delta.QKV_ENABLED or shrunk is None or len(lora_b_stacked) != 3:
+            return None
+        if not all(row_delta.supports(x.dtype, b, None) for b in lora_b_stacked):
+            return None
+        tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
+        if tiles is None or _max_rank(lora_a_stacked, ranks, meta) == 0:
+            return None
+        y = decode.decode_linear(x, weight, bias, tiles=tiles, trigger_after_wait=True)
+        return y, PendingQKVDelta(shrunk, tuple(lora_b_stacked), token_slots)
 
     def fused_shrink(self, x_like, lora_a_stacked, lora_b_stacked, ranks, weight, meta, token_slots) -> FusedShrink | None:
         """``PunicaWrapper.fused_shrink``: a one-slice layer whose product of an x like x_like takes the decode

@@ -66,17 +66,21 @@ ENABLED = os.environ.get("LORASERVE_DEFER_DELTA", "1") != "0"
 # W's dtype beside W's), not a launch of its own (measured faster, session 26; the first form was slower, see the
 # module's NOTE). LORASERVE_GEMM_SHRINK=0: the shrink launch of session 22
 GEMM_SHRINK = os.environ.get("LORASERVE_GEMM_SHRINK", "1") != "0"
+# qkv's delta left to the attention's rotary + KV-cache launch, computed there before its PDL wait, where the input
+# norm computed qkv's shrink (LORASERVE_DEFER_QKV=1; opt-in until timed on a GPU). See the module's docstring
+QKV_ENABLED = os.environ.get("LORASERVE_DEFER_QKV", "0") == "1"
 MAX_HIDDEN = 2048  # the projection's output size (the norm's row): B's tile of a token lives in registers
 MAX_RANK = 64
 
 
-def supports(act_dtype: torch.dtype, lora_b: torch.Tensor) -> bool:
-    """Whether a norm's launch can add the delta of this B stack (S, 1, N, R) to an output (T, N) of
-    ``act_dtype``: half-precision activations and B, B contiguous per slot, N up to MAX_HIDDEN, R up to MAX_RANK."""
+def supports(act_dtype: torch.dtype, lora_b: torch.Tensor, max_cols: int | None = MAX_HIDDEN) -> bool:
+    """Whether a reader's launch can add the delta of this B stack (S, 1, N, R) to an output (T, N) of
+    ``act_dtype``: half-precision activations and B, B contiguous per slot, R up to MAX_RANK, N up to ``max_cols``
+    (a norm's row: MAX_HIDDEN; None, no limit: the rotary launch, whose programs take a head's columns each)."""
     S, one, N, R = lora_b.shape
     return (
         one == 1
-        and N <= MAX_HIDDEN
+        and (max_cols is None or N <= max_cols)
         and R <= MAX_RANK
         and act_dtype in (torch.float16, torch.bfloat16)
         and lora_b.dtype in (torch.float16, torch.bfloat16)
@@ -128,6 +132,34 @@ def kernel_args(delta, x: torch.Tensor) -> dict:
     )  # fmt: skip
 
 
+def qkv_kernel_args(delta, q: torch.Tensor, num_kv_heads: int) -> dict:
+    """The keyword arguments of ``rotary_kv_cache``'s delta operands for ``delta`` (a ``punica.PendingQKVDelta``
+    of the qkv projection whose output q (T, Hq, D) and its k and v (num_kv_heads heads each) are views of),
+    or None (HAS_DELTA off, placeholders)."""
+    if delta is None:
+        return dict(d_buf_ptr=q, dbq_ptr=q, dbk_ptr=q, dbv_ptr=q, d_slots_ptr=q, stride_dbq=0, stride_dbk=0,
+                    stride_dbv=0, stride_dsp=0, stride_dsi=0, stride_dsm=0, D_P=1, D_R=1, HAS_DELTA=False,
+                    D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)  # fmt: skip
+    T, Hq, D = q.shape
+    bq, bk, bv = delta.lora_b
+    buf = delta.buf
+    P, n_sl, m_buf, R = buf.shape
+    assert n_sl == 3 and m_buf == T and buf.dtype == torch.float32 and buf.stride(3) == 1, (
+        f"the pending qkv delta's shrink {tuple(buf.shape)} {buf.dtype} does not fit q {tuple(q.shape)}: want (P, 3, {T}, R) fp32"
+    )
+    for b, n in ((bq, Hq * D), (bk, num_kv_heads * D), (bv, num_kv_heads * D)):
+        assert supports(q.dtype, b, None) and b.shape[2:] == (n, R) and b.dtype == bq.dtype, (
+            f"B {tuple(b.shape)} {b.dtype} does not fit {n} columns of q's dtype {q.dtype} and rank {R} (supports())"
+        )
+    assert delta.token_slots.shape == (T,), f"token_slots {tuple(delta.token_slots.shape)} does not fit {T} tokens"
+    return dict(
+        d_buf_ptr=buf, dbq_ptr=bq, dbk_ptr=bk, dbv_ptr=bv, d_slots_ptr=delta.token_slots, stride_dbq=bq.stride(0),
+        stride_dbk=bk.stride(0), stride_dbv=bv.stride(0), stride_dsp=buf.stride(0), stride_dsi=buf.stride(1),
+        stride_dsm=buf.stride(2), D_P=P, D_R=R, HAS_DELTA=True, D_BLOCK_R=max(16, triton.next_power_of_2(R)),
+        D_RED=min(triton.next_power_of_2(P), 16), D_CDT=tl_dtype(compute_dtype_of(q.dtype, bq.dtype)),
+    )  # fmt: skip
+
+
 @triton.jit
 def delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK_R: tl.constexpr):
     """(slot of the row, B[slot]^T as a (D_BLOCK_R, BLOCK) tile): zeros past R and for a base token (slot
@@ -140,16 +172,28 @@ def delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK
 
 
 @triton.jit
-def plus_delta(x, bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, stride_dss, D_P, D_R, D_BLOCK_R: tl.constexpr,
+def shrunk_row(slot, d_buf_ptr, row, stride_dsp, stride_dsm, stride_dss, D_P, D_R, D_BLOCK_R: tl.constexpr,
                D_RED: tl.constexpr, D_CDT: tl.constexpr):  # fmt: skip
-    """x (the row, its storage dtype) + B[slot] s[row], rounded once to x's dtype (PEFT's order: the base output
-    rounded, the delta added in fp32). s: the sum of the shrink's D_P planes (fp32, in plane order) rounded to
-    the products' dtype D_CDT; bt from ``delta_b_tile``. stride_dss > 0: the row holds every slot's shrink, the
-    token's at slot * stride_dss. A base token adds zero: its s row, which the shrink
-    leaves unwritten, is never read."""
+    """s[row] (D_BLOCK_R,) fp32: the sum of the shrink's D_P planes (fp32, in plane order) rounded to the products'
+    dtype D_CDT; stride_dss > 0: the row holds every slot's shrink, the token's at slot * stride_dss. Zeros for a
+    base token, whose row the shrink leaves unwritten (never read)."""
     offs_r = tl.arange(0, D_BLOCK_R)
     s_mask = (offs_r < D_R) & (slot >= 0)
     s_row = d_buf_ptr + row * stride_dsm + tl.maximum(slot, 0) * stride_dss  # (stride_dss: every slot's columns)
     s = sum_planes(s_row + offs_r, s_mask, D_P, stride_dsp, D_RED, False)
-    s = s.to(D_CDT).to(tl.float32)
-    return (x.to(tl.float32) + tl.sum(bt.to(tl.float32) * s[:, None], axis=0)).to(x.dtype)
+    return s.to(D_CDT).to(tl.float32)
+
+
+@triton.jit
+def delta_of(bt, s):
+    """B[slot] s at bt's columns (fp32): bt from ``delta_b_tile``, s from ``shrunk_row``."""
+    return tl.sum(bt.to(tl.float32) * s[:, None], axis=0)
+
+
+@triton.jit
+def plus_delta(x, bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, stride_dss, D_P, D_R, D_BLOCK_R: tl.constexpr,
+               D_RED: tl.constexpr, D_CDT: tl.constexpr):  # fmt: skip
+    """x (the row, its storage dtype) + B[slot] s[row], rounded once to x's dtype (PEFT's order: the base output
+    rounded, the delta added in fp32). s from ``shrunk_row``; bt from ``delta_b_tile``. A base token adds zero."""
+    s = shrunk_row(slot, d_buf_ptr, row, stride_dsp, stride_dsm, stride_dss, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
+    return (x.to(tl.float32) + delta_of(bt, s)).to(x.dtype)
