@@ -39,6 +39,14 @@ registers (``kernel_resources.py --gemm-shrink``: 64 and 80) and is on by defaul
 turns it off). Measured (session 26, H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs, off -> on in one
 call): graph replay 1.33 -> 1.31 ms (base 1.05), step_trace 1.270x -> 1.236x the base, layer period 45.9 -> 44.7 µs.
 
+qkv's reader (``QKV_ENABLED``, opt-in until timed): where the input norm computed qkv's shrink (``norm_shrink``),
+qkv's GEMM runs without its epilogue and lets the next launch start only after its own wait for that norm
+(``decode_linear(trigger_after_wait=True)``). The attention's rotary + KV-cache launch (``rotary_kv_cache(delta=
+...)``, a program per head of a token) then reads the norm's shrink and its head's columns of B and computes the
+delta before its own wait, while the GEMM still streams W, and adds it to q, k and v after it
+(``punica.PendingQKVDelta``). NOTE: session 22 had the same reader with the delta computed after the wait (commit
+b8b054c, reverted: not clearly faster, and on the GPU its head_dim-32 test failed, not investigated).
+
 Layout: the norm's program owns one row (token); its B tile (BLOCK_R, BLOCK) sits in registers beside
 the row, so hidden sizes up to ``MAX_HIDDEN``. NOTE: compiled for sm_90 at the norms' warps (4 for a row of
 1024) the kernels with the delta take 255 registers and spill 88-120 bytes a thread, at twice the warps
