@@ -146,6 +146,9 @@ def test_qkv_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch):
     monkeypatch.setattr(row_delta, "QKV_ENABLED", True)
     assert ops.qkv_deferring_delta(*args, None) is None, "only where the norm computed x's shrink"
     assert ops.qkv_deferring_delta(normed, w, bias, As, Bs, [0] * S, meta, mapping.token_slots, buf) is None, "no rank"
+    monkeypatch.setattr(row_delta, "QKV_MAX_HIDDEN", K - 1)
+    assert ops.qkv_deferring_delta(*args, buf) is None, "a larger model's qkv keeps its epilogue"
+    monkeypatch.setattr(row_delta, "QKV_MAX_HIDDEN", K)
     y, delta = ops.qkv_deferring_delta(*args, buf)
     from loraserve.layers.triton_decode_linear import decode_linear
 

@@ -231,10 +231,13 @@ class TritonLoRAOps:
         """(x W^T + b, qkv's delta left to the attention's rotary + KV-cache launch): the plain decode GEMM, which
         lets that launch start only after its own wait for the input norm (``trigger_after_wait``), so that
         the launch reads the norm's shrink (``shrunk``) and computes the delta before its wait, while the GEMM
-        still runs. Where ``row_delta.QKV_ENABLED``, the norm computed x's shrink, three slices (q, k, v)
-        whose B ``row_delta.supports`` (any width), some slot has a rank and the decode GEMM applies; else None."""
+        still runs. Where ``row_delta.QKV_ENABLED``, K is at most ``QKV_MAX_HIDDEN``, the norm computed x's shrink,
+        three slices (q, k, v) whose B ``row_delta.supports`` (any width), some slot has a rank and the decode GEMM
+        applies; else None."""
         if not row_delta.QKV_ENABLED or shrunk is None or len(lora_b_stacked) != 3:
             return None
+        if x.shape[-1] > row_delta.QKV_MAX_HIDDEN:
+            return None  # a large model's qkv keeps its epilogue (QKV_MAX_HIDDEN)
         if not all(row_delta.supports(x.dtype, b, None) for b in lora_b_stacked):
             return None
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
