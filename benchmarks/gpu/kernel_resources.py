@@ -10,6 +10,7 @@ installed (the CPU machine too); nothing here is timed.
     python benchmarks/gpu/kernel_resources.py --norm-shrink   # lora/ops/triton/norm_shrink.py's kernel
     python benchmarks/gpu/kernel_resources.py --norm-delta    # the norms with a pending LoRA delta (row_delta.py)
     python benchmarks/gpu/kernel_resources.py --gemm-shrink   # decode_linear with the shrink's column blocks (shrink_into)
+    python benchmarks/gpu/kernel_resources.py --early         # the deltas computed before a PDL wait (gated, rotary)
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_R=16, SLOTS_PER_CHUNK=max(1, min(8, columns // 16)),
         RED=1, SPLIT_W=tiles.split_k, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
         CDT=tl.bfloat16, IEEE=False, LORA_CDT=cdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
-        WAIT_FIRST=not lora, PF_AHEAD=pf_ahead if lora else 0, PF_SLOTS=8,
+        WAIT_FIRST=not lora, TRIGGER_AFTER_WAIT=False, PF_AHEAD=pf_ahead if lora else 0, PF_SLOTS=8,
         PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype in ("bf16", "fp16") else 4) // 128),
     )  # fmt: skip
     options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -156,8 +157,61 @@ def gemm_shrink_resources() -> None:
             print(f"| {name} | {'yes' if shrink else 'no'} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} |", flush=True)
 
 
+def early_resources() -> None:
+    """The launches that compute a LoRA delta before their PDL wait, against the same launches without it (Qwen2.5-0.5B,
+    32 tokens, bf16 x, fp16 B, 8 slots of rank 16): qkv's GEMM letting its dependent launch after its wait
+    (``trigger_after_wait``), the gated SiLU-and-mul with s ready (``s_ready``), the rotary + KV-cache launch with qkv's
+    delta (``rotary_kv_cache(delta=...)``; head_dim 64, and 80 with a rest of 16 dims)."""
+    from loraserve.layers import triton_elementwise as tew
+    from loraserve.lora.ops.triton import gated_lora
+
+    print("| kernel | variant | warps | registers | spill bytes |")
+    print("|---|---|---:|---:|---:|")
+    k, tiles = compile_op(896, (896, 128, 128), None, 0)
+    print(f"| decode_linear qkv | plain | {tiles.num_warps} | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
+    fn = dl._decode_linear_kernel
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+            "buf_ptr": "*fp32", "b0_ptr": "*fp32", "b1_ptr": "*fp32", "b2_ptr": "*fp32", "slots_ptr": "*i32",
+            "a_ptr": "*bf16", "s_ptr": "*fp32"}  # fmt: skip
+    base = dict(R=16, HAS_BIAS=True, HAS_LORA=False, HAS_SHRINK=False, NUM_SLICES=1, BLOCK_M=32, BLOCK_N=tiles.block_n,
+                BLOCK_K=tiles.block_k, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, SPLIT_W=tiles.split_k, EVEN_K=True,
+                EVEN_N=True, CDT=tl.bfloat16, IEEE=False, LORA_CDT=tl.float32, LORA_IEEE=False, USE_PDL=False,
+                PDL_CHAIN=True, WAIT_FIRST=True, PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1)  # fmt: skip
+    opts = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    for trigger in (False, True):
+        k = compile_as_launched(fn, ptrs, {**base, "TRIGGER_AFTER_WAIT": trigger}, SIXTEENS, opts)
+        name = "trigger after wait" if trigger else "trigger first (the chain's default)"
+        print(f"| decode_linear qkv | {name} | {tiles.num_warps} | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
+    g_ptrs = dict(y_ptr="*bf16", out_ptr="*bf16", buf_ptr="*fp32", bg_ptr="*fp16", bu_ptr="*fp16", slots_ptr="*i32",
+                  da_ptr="*bf16", drank_ptr="*i32", dbuf_ptr="*bf16", ws_ptr="*bf16", cnt_ptr="*i32")  # fmt: skip
+    g_consts = dict(R=16, BLOCK_M=32, BLOCK_N=gated_lora.DEFAULT_BLOCK_N, BLOCK_R=16, SLOTS_PER_CHUNK=8, RED=1,
+                    LORA_CDT=tl.float32, LORA_IEEE=False, PDL_CHAIN=True, SHRINK=False, RA=16, BLOCK_RA=16,
+                    A_SLOTS_PER_CHUNK=1, RED_GROUP=1)  # fmt: skip
+    for ready in (False, True):
+        k = compile_as_launched(gated_lora._silu_and_mul_lora_kernel, g_ptrs, {**g_consts, "S_READY": ready},
+                                {"D", "stride_ym", "stride_om", "stride_bsp", "stride_bi", "stride_bm", "stride_wsg", "stride_wsu"},
+                                dict(num_warps=8))  # fmt: skip
+        name = "s ready: the delta before the wait" if ready else "s after the wait"
+        print(f"| silu_and_mul_lora | {name} | 8 | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
+    r_ptrs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr", "cos_ptr", "sin_ptr"), "*bf16"),
+              "slot_ptr": "*i64", "d_buf_ptr": "*fp32", "dbq_ptr": "*fp16", "dbk_ptr": "*fp16", "dbv_ptr": "*fp16",
+              "d_slots_ptr": "*i32"}  # fmt: skip
+    for D, rd in ((64, 64), (80, 64)):
+        for has_delta in (False, True):
+            consts = dict(ROT_BLOCK=rd // 2, REST_BLOCK=triton.next_power_of_2(D - rd) if D > rd else 0,
+                          D_BLOCK=triton.next_power_of_2(D), PDL_CHAIN=True, HAS_DELTA=has_delta, D_BLOCK_R=16, D_RED=1,
+                          D_CDT=tl.float32)  # fmt: skip
+            k = compile_as_launched(tew._rotary_kv_cache_kernel, r_ptrs, consts, set(), dict(num_warps=1))
+            name = f"head_dim {D}, rotary {rd}, " + ("qkv's delta" if has_delta else "plain")
+            print(f"| rotary_kv_cache | {name} | 1 | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
+
+
 def main() -> None:
     import sys
+
+    if "--early" in sys.argv:
+        early_resources()
+        return
 
     if "--gemm-shrink" in sys.argv:
         gemm_shrink_resources()
