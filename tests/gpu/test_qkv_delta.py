@@ -164,10 +164,12 @@ def test_decoder_rotary_takes_qkv_delta(monkeypatch):
     with trigger_after_wait, every layer's rotary launch takes the delta, and the logits equal those of the
     epilogue path."""
     from loraserve.layers import triton_decode_linear
+    from loraserve.lora.ops.triton import gated_lora
 
     model, mapping, fdp = _lora_model(seed=3)
     fdp.take_gpu_path(monkeypatch)
     monkeypatch.setattr(ns, "ENABLED", True)
+    monkeypatch.setattr(gated_lora, "EARLY_DELTA", False)  # only qkv's GEMM triggers after its wait (counted below)
     monkeypatch.setattr(row_delta, "QKV_ENABLED", False)
     want = _run_lora_steps(model, mapping, fdp)
     taken, gemms = [], []
