@@ -64,8 +64,8 @@
 #   bash benchmarks/gpu/run_device.sh early26   # gate/up's delta before the gated SiLU-and-mul's wait (LORASERVE_GATED_EARLY_DELTA), qkv's
 #                                               in the rotary launch (LORASERVE_DEFER_QKV): their tests, bench_e2e and step_trace
 #                                               Qwen-0.5B with neither, the first, both; every GPU test with both on
-#   bash benchmarks/gpu/run_device.sh qkv26     # the qkv and row_delta tests with both on, bench_e2e and step_trace Qwen-0.5B: qkv's
-#                                               delta in its epilogue, then in the rotary launch
+#   bash benchmarks/gpu/run_device.sh qkv26     # the qkv and row_delta decoder tests with both on, step_trace Qwen-0.5B after 128
+#                                               tokens: qkv's delta in its epilogue, then in the rotary launch
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -323,10 +323,13 @@ for stage in "$@"; do
             ;;
         qkv26)
             # the second call of session 26: the decoder tests early26 found asserting the old launches (now pinned), with
-            # both on; then bench_e2e and step_trace Qwen-0.5B with neither and with qkv's delta in the rotary launch
-            (export LORASERVE_GATED_EARLY_DELTA=1 LORASERVE_DEFER_QKV=1; new_tests 150 -n 4 tests/gpu/test_qkv_delta.py tests/gpu/test_row_delta.py)
-            e2e_per_setting 100 qwen2.5-0.5b "LORASERVE_DEFER_QKV=0" "LORASERVE_DEFER_QKV=1"
-            trace_per_setting 90 qwen2.5-0.5b "LORASERVE_DEFER_QKV=0" "LORASERVE_DEFER_QKV=1"
+            # both on; then step_trace Qwen-0.5B after 128 decoded tokens (bench_e2e's context), qkv's delta in its
+            # epilogue, then in the rotary launch
+            (export LORASERVE_GATED_EARLY_DELTA=1 LORASERVE_DEFER_QKV=1; new_tests 100 -n 4 tests/gpu/test_qkv_delta.py tests/gpu/test_row_delta.py -k "decoder or rotary")
+            for q in 0 1; do
+                echo "### step_trace qwen2.5-0.5b --new-tokens 128: LORASERVE_DEFER_QKV=$q" | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt"
+                LORASERVE_DEFER_QKV=$q timeout 80 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --new-tokens 128 --out "/tmp/traces_q$q" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt" | grep "graph replay"
+            done
             ;;
         trace8b21)
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_ATTN_SHRINK=1"

@@ -70,7 +70,7 @@ def summarize(label: str, ks: list[tuple[str, float, float]], layers: int) -> di
     return dict(span=span, period=period, per_name=dict(per_name))
 
 
-def trace_shape(shape: str, root: Path, out: Path, batch: int, lora_dtype: str) -> None:
+def trace_shape(shape: str, root: Path, out: Path, batch: int, lora_dtype: str, new_tokens: int = 8) -> None:
     cfg = hf_config(shape)
     mdir = make_model_dir(root / shape, shape)
     adapters = [make_adapter(root / f"{shape}-a{i}", cfg, rank=16, seed=i) for i in range(N_ADAPTERS)]
@@ -84,7 +84,8 @@ def trace_shape(shape: str, root: Path, out: Path, batch: int, lora_dtype: str) 
     reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     mixed = [reqs[i % N_ADAPTERS] for i in range(batch)]
     for loras in ([None] * batch, mixed):
-        timed_generate(llm, prompts, loras, 8)  # captures the bucket's graphs
+        # captures the bucket's graphs; the replays below attend over the context of the last step (128 + new_tokens)
+        timed_generate(llm, prompts, loras, new_tokens)
     graphs = llm.engine.runner.graphs.graphs
     layers = cfg.num_hidden_layers
     res = {}
@@ -114,12 +115,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lora-dtype", default="auto")
     ap.add_argument("--out", default="/tmp/step_traces")
+    ap.add_argument("--new-tokens", type=int, default=8, help="tokens generated before the replays (bench_e2e: 128)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
-            trace_shape(shape, Path(tmp), out, args.batch, args.lora_dtype)
+            trace_shape(shape, Path(tmp), out, args.batch, args.lora_dtype, args.new_tokens)
 
 
 if __name__ == "__main__":
