@@ -64,8 +64,8 @@
 #   bash benchmarks/gpu/run_device.sh early26   # gate/up's delta before the gated SiLU-and-mul's wait (LORASERVE_GATED_EARLY_DELTA), qkv's
 #                                               in the rotary launch (LORASERVE_DEFER_QKV): their tests, bench_e2e and step_trace
 #                                               Qwen-0.5B with neither, the first, both; every GPU test with both on
-#   bash benchmarks/gpu/run_device.sh qkv26     # the qkv and row_delta decoder tests with both on, step_trace Qwen-0.5B after 128
-#                                               tokens: qkv's delta in its epilogue, then in the rotary launch
+#   bash benchmarks/gpu/run_device.sh qkv26     # every GPU test with qkv's delta in the rotary launch, then step_trace Qwen-0.5B after
+#                                               8 and 128 tokens and bench_e2e: qkv's delta in its epilogue, then in the rotary launch
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -322,14 +322,18 @@ for stage in "$@"; do
             [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || (export $both; gpu_tests 240)
             ;;
         qkv26)
-            # the second call of session 26: the decoder tests early26 found asserting the old launches (now pinned), with
-            # both on; then step_trace Qwen-0.5B after 128 decoded tokens (bench_e2e's context), qkv's delta in its
-            # epilogue, then in the rotary launch
-            (export LORASERVE_GATED_EARLY_DELTA=1 LORASERVE_DEFER_QKV=1; new_tests 100 -n 4 tests/gpu/test_qkv_delta.py tests/gpu/test_row_delta.py -k "decoder or rotary")
-            for q in 0 1; do
-                echo "### step_trace qwen2.5-0.5b --new-tokens 128: LORASERVE_DEFER_QKV=$q" | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt"
-                LORASERVE_DEFER_QKV=$q timeout 80 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --new-tokens 128 --out "/tmp/traces_q$q" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt" | grep "graph replay"
+            # qkv's delta in the rotary launch (LORASERVE_DEFER_QKV), measured two ways in session 26 that disagreed: every
+            # GPU test with it on (the decoder tests early26 found counting the other setting's launches now pin theirs),
+            # then step_trace Qwen-0.5B after 8 and after 128 decoded tokens (bench_e2e's context) and bench_e2e, each
+            # with qkv's delta in its epilogue (0) and in the rotary launch (1)
+            [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || (export LORASERVE_DEFER_QKV=1; gpu_tests 200)
+            for n in 8 128; do
+                for q in 0 1; do
+                    echo "### step_trace qwen2.5-0.5b --new-tokens $n: LORASERVE_DEFER_QKV=$q" | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt"
+                    LORASERVE_DEFER_QKV=$q timeout 80 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --new-tokens $n --out "/tmp/traces_q${q}_$n" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt" | grep "graph replay"
+                done
             done
+            e2e_per_setting 100 qwen2.5-0.5b "LORASERVE_DEFER_QKV=0" "LORASERVE_DEFER_QKV=1"
             ;;
         trace8b21)
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_ATTN_SHRINK=1"
