@@ -196,14 +196,15 @@ def early_resources() -> None:
     r_ptrs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr", "cos_ptr", "sin_ptr"), "*bf16"),
               "slot_ptr": "*i64", "d_buf_ptr": "*fp32", "dbq_ptr": "*fp16", "dbk_ptr": "*fp16", "dbv_ptr": "*fp16",
               "d_slots_ptr": "*i32"}  # fmt: skip
-    for D, rd in ((64, 64), (80, 64)):
+    for D, rd, R in ((64, 64, 16), (80, 64, 16), (128, 128, 16), (128, 128, 64)):
         for has_delta in (False, True):
             consts = dict(ROT_BLOCK=rd // 2, REST_BLOCK=triton.next_power_of_2(D - rd) if D > rd else 0,
-                          D_BLOCK=triton.next_power_of_2(D), PDL_CHAIN=True, HAS_DELTA=has_delta, D_BLOCK_R=16, D_RED=1,
+                          D_BLOCK=triton.next_power_of_2(D), PDL_CHAIN=True, HAS_DELTA=has_delta, D_BLOCK_R=R, D_RED=1,
                           D_CDT=tl.float32)  # fmt: skip
-            k = compile_as_launched(tew._rotary_kv_cache_kernel, r_ptrs, consts, set(), dict(num_warps=1))
-            name = f"head_dim {D}, rotary {rd}, " + ("qkv's delta" if has_delta else "plain")
-            print(f"| rotary_kv_cache | {name} | 1 | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
+            warps = min(8, max(1, triton.next_power_of_2(D) * R // 1024)) if has_delta else 1  # as tew._rotary_warps
+            k = compile_as_launched(tew._rotary_kv_cache_kernel, r_ptrs, consts, set(), dict(num_warps=warps))
+            name = f"head_dim {D}, rotary {rd}, " + (f"qkv's delta, rank {R}" if has_delta else "plain")
+            print(f"| rotary_kv_cache | {name} | {warps} | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
 
 
 def main() -> None:

@@ -571,7 +571,8 @@ def decode_linear(
     same K loop as W's (products in W's dtype, fp32 sums), beside W's.
     ``trigger_after_wait`` (an ordinary link of the PDL chain: no ``lora``, not ``after_shrink``): each program
     lets the next launch start only after its wait for the kernel before it, so that the next launch, before
-    its own wait, may read what that kernel wrote (``gated_lora``'s ``s_ready``: the norm's shrink of x).
+    its own wait, may read what that kernel wrote (the norm's shrink of x: ``gated_lora``'s ``s_ready``, the
+    rotary launch's qkv delta, ``rotary_kv_cache(delta=...)``).
     """
     M, K = x.shape
     N = weight.shape[0]

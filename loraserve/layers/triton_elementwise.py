@@ -314,7 +314,8 @@ def _rotary_kv_cache_kernel(
         else:
             d_rest = None
         _, bv = delta_b_tile(dbv_ptr, d_slots_ptr, t, stride_dbv, kh * D + d, dmask & (hd >= Hq), D_R, D_BLOCK_R)
-        s_v = shrunk_row(slot, d_buf_ptr + 2 * stride_dsi, t, stride_dsp, stride_dsm, 0, D_P, D_R, D_BLOCK_R, D_RED,
+        v_slot = tl.where(hd >= Hq, slot, -1)  # a q head has no v: nothing loaded, zeros
+        s_v = shrunk_row(v_slot, d_buf_ptr + 2 * stride_dsi, t, stride_dsp, stride_dsm, 0, D_P, D_R, D_BLOCK_R, D_RED,
                          D_CDT)  # fmt: skip
         dv = delta_of(bv, s_v)
         if PDL_CHAIN:
@@ -337,6 +338,16 @@ def _rotary_kv_cache_kernel(
         )  # fmt: skip
         v = _plus(tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=dmask, other=0.0), dv)
         tl.store(v_cache_ptr + cache_slot * stride_cs + kh * stride_ch + d, v, mask=dmask)
+
+
+def _rotary_warps(delta, D: int) -> int:
+    """One warp a head; with qkv's delta, one per 1024 elements of a head's B tile (head_dim x 16-wide ranks): compiled
+    for sm_90 on one warp, head_dim 64 at rank 16 took 72 registers, head_dim 128 255 (216 bytes of spill at rank
+    64; ``kernel_resources.py --early``)."""
+    if delta is None:
+        return 1
+    block_r = max(16, triton.next_power_of_2(delta.buf.shape[3]))
+    return min(8, max(1, triton.next_power_of_2(D) * block_r // 1024))
 
 
 def rotary_kv_cache(
@@ -396,7 +407,7 @@ def rotary_kv_cache(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), cos.stride(0), Hq, half, D,
             ROT_BLOCK=triton.next_power_of_2(half), REST_BLOCK=triton.next_power_of_2(rest) if rest else 0,
-            D_BLOCK=triton.next_power_of_2(D), PDL_CHAIN=chain, num_warps=1, launch_pdl=chain,
+            D_BLOCK=triton.next_power_of_2(D), PDL_CHAIN=chain, num_warps=_rotary_warps(delta, D), launch_pdl=chain,
             **row_delta.qkv_kernel_args(delta, q, Hk),
         )  # fmt: skip
     return out

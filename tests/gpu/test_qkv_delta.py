@@ -186,3 +186,55 @@ def test_decoder_rotary_takes_qkv_delta(monkeypatch):
     assert sum(1 for g in gemms if g[1]) == n_layers * n_steps, gemms
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")
+
+
+def test_rotary_reads_the_norms_shrink_only_once_written(monkeypatch):
+    """The norm's shrink, qkv's GEMM (``trigger_after_wait``), then the rotary launch computing the delta before its PDL
+    wait: on the GPU the rotary launch reads the norm's buf before its wait, safe only because the GEMM lets it launch
+    after the norm finished. The norm's buf is allocated where NaN was just freed, so a read before the norm wrote it
+    would show; repeated, every run gives the bits of the first (on the CPU the launches are sequential)."""
+    T, K, Hq, Hk, D, S, R = 32, 896, 14, 2, 64, 8, 16  # Qwen2.5-0.5B's attention
+    x, As, Bs, w, bias, norm_w, ranks, slots = _ops_case(T, K, Hq, Hk, D, S, R, seed=9)
+    mapping, meta = mapping_of(slots)
+    ops = TritonLoRAOps(DEV)
+    monkeypatch.setattr(ns, "ENABLED", True)
+    monkeypatch.setattr(row_delta, "QKV_ENABLED", True)
+    g = torch.Generator().manual_seed(10)
+    rd = D
+    f = (torch.arange(T).float() * 3)[:, None] / (10000 ** (torch.arange(0, rd, 2).float() / rd))[None, :]
+    cos, sin = torch.cat([f, f], 1).cos().to(DEV, torch.float16), torch.cat([f, f], 1).sin().to(DEV, torch.float16)
+    res = torch.randn(T, K, generator=g).to(DEV, torch.float16)
+
+    def chain():
+        junk = [torch.full((1, 3, T, R), float("nan"), device=DEV) for _ in range(32)]  # freed, then reused
+        del junk
+        normed, _, buf = ops.norm_shrink(x, res, norm_w, 1e-6, As, Bs, ranks, w, meta, mapping.token_slots)
+        y, delta = ops.qkv_deferring_delta(normed, w, bias, As, Bs, ranks, meta, mapping.token_slots, buf)
+        return _rotary_cache(y, Hq, Hk, D, cos, sin, delta=delta)
+
+    first = chain()
+    for _ in range(3):
+        for a, b in zip(chain(), first):
+            assert torch.equal(a, b), "the same bits every run"
+    assert not any(t.isnan().any() for t in first)
+
+
+def test_llama_adds_qkv_delta_where_the_rotary_launch_does_not_run(monkeypatch):
+    """Without the fused rotary launch (LORASERVE_FUSED_ELEMENTWISE=0: torch's rotary and cache write) a delta qkv_proj
+    left is added by LlamaAttention itself (``PendingQKVDelta.add_to``): the logits equal those of the epilogue path."""
+    from loraserve.layers import attention
+
+    model, mapping, fdp = _lora_model(seed=4)
+    fdp.take_gpu_path(monkeypatch)
+    monkeypatch.setattr(attention, "FUSED_ELEMENTWISE", False)
+    monkeypatch.setattr(ns, "ENABLED", True)
+    monkeypatch.setattr(row_delta, "QKV_ENABLED", False)
+    want = _run_lora_steps(model, mapping, fdp)
+    added = []
+    real = PendingQKVDelta.add_to
+    monkeypatch.setattr(PendingQKVDelta, "add_to", lambda self, y: added.append(1) or real(self, y))
+    monkeypatch.setattr(row_delta, "QKV_ENABLED", True)
+    got = _run_lora_steps(model, mapping, fdp)
+    assert len(added) == 2 * len(fdp.STEPS), f"each layer's qkv delta added by the model: {len(added)}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")

@@ -128,7 +128,8 @@ class TritonLoRAOps:
 
         ``shrunk``: x's shrink as ``lora_shrink(..., zero_fill=True)`` writes it, computed by the launch
         that wrote x (``norm_shrink``): no shrink launch, and the GEMM is an ordinary link of the PDL
-        chain (it waits for that launch before reading x, so buf is complete too).
+        chain (it waits for that launch before reading x, so buf is complete too; with the gated path and
+        ``gated_lora.EARLY_DELTA`` it lets SiLU-and-mul launch only after that wait, ``trigger_after_wait``).
 
         ``then_shrink`` (with ``then_silu_and_mul``): the ``fused_shrink_operands`` of the projection the
         activation feeds (down): where they are given and ``gated_lora.shrink_supports`` its A, the gated

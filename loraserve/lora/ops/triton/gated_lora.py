@@ -89,7 +89,7 @@ def _silu_and_mul_lora_kernel(
     RED: tl.constexpr,
     LORA_CDT: tl.constexpr,
     LORA_IEEE: tl.constexpr,
-    PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain: B and the slots before the wait, y and buf after
+    PDL_CHAIN: tl.constexpr,  # a link of the step's PDL chain: B and the slots before the wait, y and buf after (but S_READY)
     S_READY: tl.constexpr,  # (PDL_CHAIN) buf was complete before this launch started: the delta before the wait
     # down's shrink of the output (``SHRINK``): the next projection's A, its ranks, the (1, 1, M, RA) total
     # and the workspace of the partials (planes of every program, then of every group) and arrival counters

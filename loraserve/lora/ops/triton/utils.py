@@ -52,7 +52,10 @@ def pdl_chain(device: torch.device) -> bool:
     gated SiLU-and-mul loads its B before its wait), and it writes only buffers no earlier kernel still
     uses (the split-K partials and counters of its own persistent buffers). A kernel whose successor
     reads what its predecessor wrote waits before it ends (``decode_linear``'s after_shrink: the gated
-    kernel after it reads the shrink's buf)."""
+    kernel after it reads the shrink's buf). A decode GEMM with ``trigger_after_wait`` waits for its
+    predecessor before letting its dependent launch, so that the dependent may read, before its own wait, what
+    the kernel two launches back wrote (the norm's shrink: the gated SiLU-and-mul's ``s_ready``, the rotary
+    launch's qkv delta)."""
     return PDL_CHAIN and use_pdl(device)
 
 
