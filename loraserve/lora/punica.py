@@ -382,17 +382,11 @@ class PunicaWrapper:
         )  # fmt: skip
 
     def qkv_deferring_delta(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        lora_a_stacked: tuple[torch.Tensor, ...],
-        lora_b_stacked: tuple[torch.Tensor, ...],
-        ranks: list[int],
-        shrunk: torch.Tensor | None,
+        self, x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, shrunk
     ) -> tuple[torch.Tensor, PendingQKVDelta] | None:
         """(x W^T + b, qkv's LoRA delta left to the attention's rotary launch) where a kernel path does that
-        (``TritonLoRAOps.qkv_deferring_delta``: decode sizes, x's shrink computed by the norm that wrote x); else None."""
+        (``TritonLoRAOps.qkv_deferring_delta``: decode sizes, x's shrink computed by the norm that wrote x); else None.
+        The arguments are ``linear_with_lora``'s; ``shrunk`` (T, 3 slices, R) from the input norm, or None."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()

@@ -20,6 +20,7 @@ import torch
 
 from tests.gpu.test_decode_linear import lora_stacks, rel_err
 from tests.gpu.test_norm_shrink import HALF, _lora_model, _run_lora_steps, mapping_of
+from tests.gpu.test_row_delta import random_ranks_and_slots
 from tests.gpu.triton_device import triton_device
 
 DEV = triton_device()
@@ -41,11 +42,7 @@ CASES = [
 
 def _case(T, Hq, Hk, D, rd, S, R, P, xdt, bdt, seed):
     g = torch.Generator().manual_seed(seed)
-    ranks = torch.randint(1, R + 1, (S,), generator=g).tolist()
-    ranks[0] = R
-    if S > 2:
-        ranks[1] = 0
-    slots = [-1 if t % 4 == 3 else t % S for t in range(T)]
+    ranks, slots = random_ranks_and_slots(g, T, S, R)
     nq, nk = Hq * D, Hk * D
     qkv = torch.randn(T, nq + 2 * nk, generator=g).to(DEV, xdt)
     _, bs = lora_stacks(g, S, R, 16, (nq, nk, nk), ranks, bdt)

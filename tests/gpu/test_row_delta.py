@@ -40,15 +40,21 @@ CASES = [
 ]
 
 
-def random_delta(T, N, S, R, planes, xdt, bdt, seed):
-    """(x, residual, norm weight, PendingDelta, slots, ranks): slots round-robin with base tokens, a slot of
-    rank 0 (B zero), NaN in the shrink's rows of base tokens (never read) and zeros past each slot's rank."""
-    g = torch.Generator().manual_seed(seed)
+def random_ranks_and_slots(g: torch.Generator, T: int, S: int, R: int) -> tuple[list[int], list[int]]:
+    """Random ranks up to R (slot 0 at R, slot 1 at 0 where S > 2: its tokens get no delta) and the tokens' slots,
+    round-robin with every fourth token a base one (-1)."""
     ranks = torch.randint(1, R + 1, (S,), generator=g).tolist()
     ranks[0] = R
     if S > 2:
         ranks[1] = 0
-    slots = [-1 if t % 4 == 3 else t % S for t in range(T)]
+    return ranks, [-1 if t % 4 == 3 else t % S for t in range(T)]
+
+
+def random_delta(T, N, S, R, planes, xdt, bdt, seed):
+    """(x, residual, norm weight, PendingDelta, slots, ranks): slots round-robin with base tokens, a slot of
+    rank 0 (B zero), NaN in the shrink's rows of base tokens (never read) and zeros past each slot's rank."""
+    g = torch.Generator().manual_seed(seed)
+    ranks, slots = random_ranks_and_slots(g, T, S, R)
     x = torch.randn(T, N, generator=g).to(DEV, xdt)
     res = torch.randn(T, N, generator=g).to(DEV, xdt)
     w = (1 + 0.3 * torch.randn(N, generator=g)).to(DEV, xdt)
