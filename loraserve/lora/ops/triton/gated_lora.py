@@ -54,8 +54,9 @@ SHRINK_ENABLED = os.environ.get("LORASERVE_GATED_SHRINK", "0") == "1"
 # Where the norm before gate_up computed its shrink (``norm_shrink``), gate_up's GEMM lets this launch start only after
 # its own wait for the norm, and the delta is computed before this launch's wait, off the chain's critical path
 # (LORASERVE_GATED_EARLY_DELTA=1). Opt-in: measured no faster (session 26, H100, Qwen2.5-0.5B, 8 adapters: step_trace
-# 1.262 -> 1.265 ms; this launch still ends 3.2 µs after the GEMM, the plain SiLU-and-mul 1.0: its loads and stores
-# after the wait are what costs, not the delta)
+# 1.262 -> 1.265 ms; this launch still ends 3.2 µs after the GEMM, the plain SiLU-and-mul 1.0). It starts only 2.7 µs
+# before the GEMM ends, once the GEMM's second wave has started (152 column blocks, one an SM): likely too late for
+# its loads before the wait, delta or not (BENCHMARKS.md, session 26)
 EARLY_DELTA = os.environ.get("LORASERVE_GATED_EARLY_DELTA", "0") == "1"
 MAX_TOKENS = 32  # one tile of tokens; a decode step's batch (decode_linear.MAX_TOKENS)
 MAX_SHRINK_ROWS = 256  # rows of (slot, rank) of down's A tile a program holds (shrink_supports): 8 slots of rank 16 take 128
