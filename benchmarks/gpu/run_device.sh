@@ -66,6 +66,8 @@
 #                                               Qwen-0.5B with neither, the first, both; every GPU test with both on
 #   bash benchmarks/gpu/run_device.sh qkv26     # every GPU test with qkv's delta in the rotary launch, then step_trace Qwen-0.5B after
 #                                               8 and 128 tokens and bench_e2e: qkv's delta in its epilogue, then in the rotary launch
+#   bash benchmarks/gpu/run_device.sh wave27    # gate/up's GEMM in one wave (LORASERVE_DECODE_ONE_WAVE), alone and with gate/up's early
+#                                               delta: their tests, step_trace and bench_e2e Qwen-0.5B with neither, the first, both
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -334,6 +336,15 @@ for stage in "$@"; do
                 done
             done
             e2e_per_setting 100 qwen2.5-0.5b "LORASERVE_DEFER_QKV=0" "LORASERVE_DEFER_QKV=1"
+            ;;
+        wave27)
+            # gate/up's GEMM in one wave of 128-row blocks (LORASERVE_DECODE_ONE_WAVE), so that the gated SiLU-and-mul
+            # launches early, alone and with its delta before its wait (LORASERVE_GATED_EARLY_DELTA): the decode GEMM and
+            # gated tests with both on, then step_trace and bench_e2e Qwen-0.5B with neither, the first, both
+            wave="LORASERVE_DECODE_ONE_WAVE=1"
+            (export $wave LORASERVE_GATED_EARLY_DELTA=1; new_tests 150 -n 4 tests/gpu/test_decode_linear.py tests/gpu/test_gated_lora.py tests/gpu/test_norm_shrink.py)
+            trace_per_setting 90 qwen2.5-0.5b "LORASERVE_DECODE_ONE_WAVE=0" "$wave" "$wave LORASERVE_GATED_EARLY_DELTA=1"
+            e2e_per_setting 100 qwen2.5-0.5b "LORASERVE_DECODE_ONE_WAVE=0" "$wave" "$wave LORASERVE_GATED_EARLY_DELTA=1"
             ;;
         trace8b21)
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_ATTN_SHRINK=1"

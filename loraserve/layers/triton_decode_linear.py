@@ -171,6 +171,13 @@ def prefetch_ahead(b_dtype: torch.dtype) -> int:
 
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
+# Knob (LORASERVE_DECODE_ONE_WAVE=1; a module attribute): a product whose 64-row blocks would take more programs than
+# ONE_WAVE_SMS (one program an SM: their 120 KB of shared memory), but whose 128-row blocks fit, runs in one wave of
+# 128-row blocks. Why: a PDL dependent launches once every program of its predecessor has started, so behind a
+# two-wave GEMM (Qwen2.5-0.5B's gate/up: 152 blocks) the gated SiLU-and-mul starts only 2.7 µs before the GEMM ends
+# (session 26). Untimed: off by default
+ONE_WAVE = os.environ.get("LORASERVE_DECODE_ONE_WAVE", "0") == "1"
+ONE_WAVE_SMS = 132  # the H100's and H200's SMs
 
 
 @dataclass(frozen=True)
@@ -222,6 +229,8 @@ def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
     if N > 16384:
         return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
     blocks = triton.cdiv(N, 64)
+    if ONE_WAVE and blocks > ONE_WAVE_SMS >= triton.cdiv(N, 128):
+        return DecodeTiles(block_n=128, block_k=128, num_warps=8, num_stages=4)  # lm_head's tiles (see ONE_WAVE)
     split = max(1, min(4, 128 // blocks, K // 256))
     return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=5, split_k=split)
 

@@ -275,3 +275,23 @@ def test_supports_refuses_what_it_cannot_do():
     assert not supports(torch.randn(33, 256, device=DEV, dtype=torch.bfloat16), w)  # too many tokens
     assert not supports(x.float(), w.float())  # fp32 takes cuBLAS
     assert not supports(x, w.t().contiguous().t())  # W not contiguous along K
+
+
+def test_one_wave_tiles_fit_the_sms_and_give_the_same_product(monkeypatch):
+    """LORASERVE_DECODE_ONE_WAVE: a product of more 64-row blocks than SMs (Qwen2.5-0.5B's gate/up, 2 x 4864 rows) runs
+    128-row blocks, at most one program an SM, with the product of the default tiles; narrower products keep theirs."""
+    from loraserve.layers import triton_decode_linear as dl
+
+    N, K = 2 * 4864, 256
+    default, qkv = dl.default_tiles(32, N, K, torch.float16), dl.default_tiles(32, 1152, K, torch.float16)
+    monkeypatch.setattr(dl, "ONE_WAVE", True)
+    one = dl.default_tiles(32, N, K, torch.float16)
+    assert -(-N // default.block_n) * default.split_k > dl.ONE_WAVE_SMS, "two waves by default"
+    assert -(-N // one.block_n) * one.split_k <= dl.ONE_WAVE_SMS, one
+    assert dl.default_tiles(32, 1152, K, torch.float16) == qkv, "a product that fits one wave keeps its tiles"
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, K, generator=g).to(DEV, torch.float16)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, torch.float16)
+    want = F.linear(x.float(), w.float())
+    assert rel_err(decode_linear(x, w, tiles=one), want) < 2e-3
+    assert rel_err(decode_linear(x, w, tiles=one), decode_linear(x, w, tiles=default)) < 2e-3
