@@ -283,6 +283,7 @@ def test_one_wave_tiles_fit_the_sms_and_give_the_same_product(monkeypatch):
     from loraserve.layers import triton_decode_linear as dl
 
     N, K = 2 * 4864, 256
+    monkeypatch.setattr(dl, "ONE_WAVE", False)
     default, qkv = dl.default_tiles(32, N, K, torch.float16), dl.default_tiles(32, 1152, K, torch.float16)
     monkeypatch.setattr(dl, "ONE_WAVE", True)
     one = dl.default_tiles(32, N, K, torch.float16)
