@@ -146,6 +146,15 @@ class FusedShrink(NamedTuple):
     token_slots: torch.Tensor
 
 
+def _delta_of_slots(s: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+    """(T, N) fp32 = B[slot] s per token, s (T, R) fp32 rounded to the products' dtype as the kernels round it;
+    zeros for base tokens (slot -1), whatever their s rows hold. The torch path of a deferred delta's reader."""
+    cdt = compute_dtype(act_dtype, lora_b.dtype)
+    b = lora_b[slots.clamp(min=0), 0].to(cdt).float()  # (T, N, R)
+    s = torch.where((slots >= 0)[:, None], s, 0.0).to(cdt).float()
+    return torch.einsum("tnr,tr->tn", b, s)
+
+
 class PendingDelta(NamedTuple):
     """A row-parallel projection's LoRA delta left to the RMSNorm that reads its output (``row_delta``):
     the shrink of its input (buf (P, 1, T, R) fp32, every column of a LoRA token's row written, P planes
@@ -169,10 +178,7 @@ class PendingDelta(NamedTuple):
             R = self.lora_b.shape[3]
             cols = slots.clamp(min=0)[:, None] * self.slot_cols + torch.arange(R, device=s.device)
             s = torch.gather(s, 1, cols)
-        cdt = compute_dtype(y.dtype, self.lora_b.dtype)
-        b = self.lora_b[slots.clamp(min=0), 0].to(cdt).float()  # (T, N, R)
-        s = torch.where((slots >= 0)[:, None], s, 0.0).to(cdt).float()
-        return (y.float() + torch.einsum("tnr,tr->tn", b, s)).to(y.dtype)
+        return (y.float() + _delta_of_slots(s, self.lora_b, slots, y.dtype)).to(y.dtype)
 
 
 class PendingQKVDelta(NamedTuple):
@@ -189,13 +195,8 @@ class PendingQKVDelta(NamedTuple):
     def add_to(self, y: torch.Tensor) -> torch.Tensor:
         """y (T, N_q + N_k + N_v) + the delta, rounded once to y's dtype (a new tensor): the torch path's numbers."""
         slots = self.token_slots.long()
-        deltas = []
-        for i, b in enumerate(self.lora_b):
-            s = self.buf[:, i].sum(0)  # (T, R) fp32, the planes summed in order
-            cdt = compute_dtype(y.dtype, b.dtype)
-            bs = b[slots.clamp(min=0), 0].to(cdt).float()  # (T, N_i, R)
-            s = torch.where((slots >= 0)[:, None], s, 0.0).to(cdt).float()
-            deltas.append(torch.einsum("tnr,tr->tn", bs, s))
+        # each slice's shrink (T, R), its planes summed in order, times its own B
+        deltas = [_delta_of_slots(self.buf[:, i].sum(0), b, slots, y.dtype) for i, b in enumerate(self.lora_b)]
         return (y.float() + torch.cat(deltas, dim=1)).to(y.dtype)
 
 

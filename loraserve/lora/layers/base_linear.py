@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
-from loraserve.forward_context import current_lora_mapping
+from loraserve.forward_context import current_lora_mapping, defer_delta
 from loraserve.layers.linear import linear
 from loraserve.lora.layers.base import BaseLayerWithLoRA, LoRAPieces
 from loraserve.lora.ops.precision import exact_pieces
@@ -220,6 +220,20 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         return self.punica_wrapper.fused_shrink(
             x_like, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.base_layer.weight
         )
+
+    def defer_to_reader(self, x: torch.Tensor, deferring) -> torch.Tensor | None:
+        """y where ``deferring(shrunk)`` (a punica ``*_deferring_delta`` call given x's shrink from the launch that
+        wrote x, or None) returns (y, its delta): the delta is left to y's reader (``forward_context.defer_delta``).
+        Else None, with x's shrink kept for the fused path of ``linear``."""
+        shrunk = self.take_shrunk(x)
+        deferred = deferring(shrunk)
+        if deferred is not None:
+            y, delta = deferred
+            defer_delta(y, delta)
+            return y
+        if shrunk is not None:
+            self.keep_shrunk(x, shrunk)
+        return None
 
     def keep_shrunk(self, x: torch.Tensor, buf: torch.Tensor) -> None:
         """Keep the shrink of x that the launch writing x computed (``fused_shrink_operands``), for ``take_shrunk``."""

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from loraserve.distributed.comm import tp_all_gather
-from loraserve.forward_context import defer_delta
 from loraserve.layers.activation import SiluAndMul
 from loraserve.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear
 from loraserve.lora.layers.base_linear import BaseLinearLayerWithLoRA
@@ -45,17 +44,11 @@ class ColumnParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
         base = self.base_layer
         if getattr(base, "output_feeds_rotary", False) and not base.gather_output and self._fusable():
             pw = self.punica_wrapper
-            if pw.defers_qkv_delta:
-                shrunk = self.take_shrunk(x)
-                deferred = pw.qkv_deferring_delta(
-                    x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, shrunk
-                )
-                if deferred is not None:  # the base product; the attention's rotary launch adds the delta
-                    y, delta = deferred
-                    defer_delta(y, delta)
+            if pw.defers_qkv_delta:  # the base product; the attention's rotary launch adds the delta
+                y = self.defer_to_reader(x, lambda shrunk: pw.qkv_deferring_delta(
+                    x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, shrunk))
+                if y is not None:
                     return y
-                if shrunk is not None:
-                    self.keep_shrunk(x, shrunk)  # for linear's fused path
         y = self.linear(x, base.weight, base.bias)
         return tp_all_gather(y) if base.gather_output else y
 

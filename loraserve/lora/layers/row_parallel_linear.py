@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from loraserve.forward_context import defer_delta
 from loraserve.layers.linear import RowParallelLinear
 from loraserve.lora.layers.base_linear import BaseLinearLayerWithLoRA
 
@@ -25,17 +24,13 @@ class RowParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
         if self.tp_size == 1:
             pw = self.punica_wrapper
             if base.output_feeds_norm and pw is not None and pw.defers_delta and self._fusable():
-                shrunk = self.take_shrunk(x)
-                deferred = pw.linear_deferring_delta(
+                # the base product; the norm reading it adds the delta (row_delta)
+                y = self.defer_to_reader(x, lambda shrunk: pw.linear_deferring_delta(
                     x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, shrunk=shrunk,
                     gemm_shrink_rows=self.gemm_shrink_rows if pw.gemm_shrinks else None,
-                )  # fmt: skip
-                if deferred is not None:  # the base product; the norm reading it adds the delta (row_delta)
-                    y, delta = deferred
-                    defer_delta(y, delta)
+                ))  # fmt: skip
+                if y is not None:
                     return y
-                if shrunk is not None:
-                    self.keep_shrunk(x, shrunk)  # for linear's fused path
             # NOTE: PEFT's order, y = (Wx + b) + s*B(Ax), for bit-equal bf16 results at TP=1
             return self.linear(x, base.weight, base.bias)
         # B(A_i x_i) summed over ranks by the all-reduce = B(Ax)

@@ -77,7 +77,7 @@ GEMM_SHRINK = os.environ.get("LORASERVE_GEMM_SHRINK", "1") != "0"
 # qkv's delta left to the attention's rotary + KV-cache launch, computed there before its PDL wait, where the input
 # norm computed qkv's shrink (LORASERVE_DEFER_QKV=1; opt-in until timed on a GPU). See the module's docstring
 QKV_ENABLED = os.environ.get("LORASERVE_DEFER_QKV", "0") == "1"
-QKV_MAX_HIDDEN = 2048  # qkv's input size up to which it is taken: small models, where a layer's launches are latency
+QKV_MAX_HIDDEN = 2048  # qkv's input size up to which it is taken (small models: Llama-8B's qkv keeps its epilogue, untimed)
 MAX_HIDDEN = 2048  # the projection's output size (the norm's row): B's tile of a token lives in registers
 MAX_RANK = 64
 
