@@ -68,6 +68,9 @@
 #                                               8 and 128 tokens and bench_e2e: qkv's delta in its epilogue, then in the rotary launch
 #   bash benchmarks/gpu/run_device.sh wave27    # gate/up's GEMM in one wave (LORASERVE_DECODE_ONE_WAVE), alone and with gate/up's early
 #                                               delta: their tests, step_trace and bench_e2e Qwen-0.5B with neither, the first, both
+#   bash benchmarks/gpu/run_device.sh knobs27   # the norms on twice the warps (LORASERVE_NORM_ROW_PER_WARP=128: no spill with a delta), gate/up's
+#                                               GEMM in one wave, alone and with its early delta: the norm and decode GEMM tests
+#                                               with them on, then step_trace and bench_e2e Qwen-0.5B per setting ($KNOBS27_MORE: more)
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -345,6 +348,12 @@ for stage in "$@"; do
             (export $wave LORASERVE_GATED_EARLY_DELTA=1; new_tests 150 -n 4 tests/gpu/test_decode_linear.py tests/gpu/test_gated_lora.py tests/gpu/test_norm_shrink.py)
             trace_per_setting 90 qwen2.5-0.5b "LORASERVE_DECODE_ONE_WAVE=0" "$wave" "$wave LORASERVE_GATED_EARLY_DELTA=1"
             e2e_per_setting 100 qwen2.5-0.5b "LORASERVE_DECODE_ONE_WAVE=0" "$wave" "$wave LORASERVE_GATED_EARLY_DELTA=1"
+            ;;
+        knobs27)
+            wave="LORASERVE_DECODE_ONE_WAVE=1"
+            (export LORASERVE_NORM_ROW_PER_WARP=128 $wave LORASERVE_GATED_EARLY_DELTA=1; new_tests 150 -n 4 tests/gpu/test_norm_shrink.py tests/gpu/test_row_delta.py tests/gpu/test_triton_elementwise.py tests/gpu/test_decode_linear.py tests/gpu/test_gated_lora.py)
+            trace_per_setting 90 qwen2.5-0.5b "" "LORASERVE_NORM_ROW_PER_WARP=128" "$wave" "$wave LORASERVE_GATED_EARLY_DELTA=1" ${KNOBS27_MORE:+"$KNOBS27_MORE"}
+            e2e_per_setting 100 qwen2.5-0.5b "" "LORASERVE_NORM_ROW_PER_WARP=128" "$wave" "$wave LORASERVE_GATED_EARLY_DELTA=1" ${KNOBS27_MORE:+"$KNOBS27_MORE"}
             ;;
         trace8b21)
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_ATTN_SHRINK=1"

@@ -37,6 +37,8 @@ Imported only on CUDA (or under TRITON_INTERPRET=1 in tests): CPU installs have 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -44,6 +46,18 @@ import triton.language as tl
 from loraserve.lora.ops.triton import row_delta
 from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of, plus_delta, shrunk_row
 from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, tl_dtype
+
+# Elements of a norm's row a warp holds. Every norm kernel (plain, with a pending LoRA delta, with a shrink:
+# ``norm_shrink``) takes its warps from ``norm_warps``, so they lay the row out alike and sum its variance in one
+# order: the same bits. LORASERVE_NORM_ROW_PER_WARP=128 (twice the warps): the kernels with a delta fit in
+# registers at Qwen's 896 (``kernel_resources.py --norm-delta``: 255 registers and 112-120 spill bytes a thread
+# at 4 warps, 80-172 and none at 8); opt-in until timed on a GPU
+NORM_ROW_PER_WARP = int(os.environ.get("LORASERVE_NORM_ROW_PER_WARP", "256"))
+
+
+def norm_warps(block: int) -> int:
+    """The warps of a norm kernel over a row of ``block`` (a power of 2) elements."""
+    return min(16, max(1, block // NORM_ROW_PER_WARP))
 
 
 @triton.jit
@@ -128,7 +142,7 @@ def fused_add_rms_norm(
         chain = pdl_chain(x.device)
         _fused_add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), N, eps,
-            BLOCK=block, PDL_CHAIN=chain, num_warps=min(16, max(1, block // 256)), launch_pdl=chain,
+            BLOCK=block, PDL_CHAIN=chain, num_warps=norm_warps(block), launch_pdl=chain,
             **row_delta.kernel_args(delta, x2),
         )  # fmt: skip
     return out.view(x.shape), r_out.view(x.shape)
@@ -147,7 +161,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         chain = pdl_chain(x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, weight, out, x2.stride(0), out.stride(0), N, eps, BLOCK=block, PDL_CHAIN=chain,
-            num_warps=min(16, max(1, block // 256)), launch_pdl=chain,
+            num_warps=norm_warps(block), launch_pdl=chain,
         )  # fmt: skip
     return out.view(*x.shape[:-1], N)
 

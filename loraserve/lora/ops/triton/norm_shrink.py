@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.layers.triton_elementwise import rms_norm_row
+from loraserve.layers.triton_elementwise import norm_warps, rms_norm_row
 from loraserve.lora.ops.triton import row_delta
 from loraserve.lora.ops.triton.row_delta import delta_b_tile, plus_delta
 from loraserve.lora.ops.triton.utils import pdl_chain, slice_ptr, tl_dtype
@@ -52,7 +52,7 @@ BLOCK_R = 16
 
 def num_warps(block: int) -> int:
     """The norm kernels' warps for a row of ``block`` (triton_elementwise): the same layout, the same sums."""
-    return min(16, max(1, block // 256))
+    return norm_warps(block)
 
 
 @triton.jit
