@@ -71,6 +71,9 @@
 #   bash benchmarks/gpu/run_device.sh knobs27   # the norms on twice the warps (LORASERVE_NORM_ROW_PER_WARP=128: no spill with a delta), gate/up's
 #                                               GEMM in one wave, alone and with its early delta: the norm and decode GEMM tests
 #                                               with them on, then step_trace and bench_e2e Qwen-0.5B per setting ($KNOBS27_MORE: more)
+#   bash benchmarks/gpu/run_device.sh all27     # qkv26's, knobs27's and wave27's questions in one call: every GPU test with all four knobs
+#                                               on, then step_trace Qwen-0.5B adding them one by one (and after 128 tokens, qkv's
+#                                               off and on), bench_e2e the same but the norms' warps alone
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -98,13 +101,14 @@ e2e_per_setting() {  # bench_e2e without HF once per setting; $1: timeout, $2: s
         env $knobs timeout "$limit" python3 benchmarks/gpu/bench_e2e.py ${shapes:+--shapes "$shapes"} --skip-hf ${E2E_EXTRA:-} 2>&1 | grep "^| \|replay\|parity max\|greedy ids" | tee -a "$OUT/e2e.txt"
     done
 }
-trace_per_setting() {  # step_trace once per setting; $1: timeout, $2: the shape, then the settings ("": defaults)
+trace_per_setting() {  # step_trace once per setting; $1: timeout, $2: the shape, then the settings ("": defaults);
+    # $TRACE_EXTRA: more arguments of step_trace
     local limit=$1 shape=$2
     shift 2
     for knobs in "$@"; do
         name=$(echo "${knobs:-default}" | tr ' =,' '___')
         echo "### step_trace $shape: ${knobs:-default}" | tee -a "$OUT/step_trace_$shape.txt"
-        env $knobs timeout "$limit" python3 benchmarks/gpu/step_trace.py --shapes "$shape" --out "/tmp/traces_${shape}_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_$shape.txt" | grep "graph replay"
+        env $knobs timeout "$limit" python3 benchmarks/gpu/step_trace.py --shapes "$shape" ${TRACE_EXTRA:-} --out "/tmp/traces_${shape}_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_$shape.txt" | grep "graph replay"
     done
 }
 for stage in "$@"; do
@@ -348,6 +352,15 @@ for stage in "$@"; do
             (export $wave LORASERVE_GATED_EARLY_DELTA=1; new_tests 150 -n 4 tests/gpu/test_decode_linear.py tests/gpu/test_gated_lora.py tests/gpu/test_norm_shrink.py)
             trace_per_setting 90 qwen2.5-0.5b "LORASERVE_DECODE_ONE_WAVE=0" "$wave" "$wave LORASERVE_GATED_EARLY_DELTA=1"
             e2e_per_setting 100 qwen2.5-0.5b "LORASERVE_DECODE_ONE_WAVE=0" "$wave" "$wave LORASERVE_GATED_EARLY_DELTA=1"
+            ;;
+        all27)
+            q=LORASERVE_DEFER_QKV=1 n=LORASERVE_NORM_ROW_PER_WARP=128 w=LORASERVE_DECODE_ONE_WAVE=1
+            on="$q $n $w LORASERVE_GATED_EARLY_DELTA=1"
+            [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || (export $on; gpu_tests 150)
+            trace_per_setting 60 qwen2.5-0.5b "" "$q" "$n" "$q $n" "$q $n $w" "$on"
+            echo "### after 128 decoded tokens (bench_e2e's context):" | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt"
+            TRACE_EXTRA="--new-tokens 128" trace_per_setting 60 qwen2.5-0.5b "" "$q"
+            e2e_per_setting 80 qwen2.5-0.5b "" "$q" "$q $n" "$q $n $w" "$on"
             ;;
         knobs27)
             wave="LORASERVE_DECODE_ONE_WAVE=1"
