@@ -74,6 +74,8 @@
 #   bash benchmarks/gpu/run_device.sh all27     # qkv26's, knobs27's and wave27's questions in one call: every GPU test with all four knobs
 #                                               on, then step_trace Qwen-0.5B adding them one by one (and after 128 tokens, qkv's
 #                                               off and on), bench_e2e the same but the norms' warps alone
+#   bash benchmarks/gpu/run_device.sh conf27    # every GPU test with session 27's defaults, then step_trace and bench_e2e Qwen-0.5B: the
+#                                               defaults, the gated SiLU-and-mul on 128 columns a program, and with its early delta
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -361,6 +363,12 @@ for stage in "$@"; do
             echo "### after 128 decoded tokens (bench_e2e's context):" | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt"
             TRACE_EXTRA="--new-tokens 128" trace_per_setting 60 qwen2.5-0.5b "" "$q"
             e2e_per_setting 80 qwen2.5-0.5b "" "$q" "$q $n" "$q $n $w" "$on"
+            ;;
+        conf27)
+            [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || gpu_tests 150
+            g=LORASERVE_GATED_BLOCK_N=128
+            trace_per_setting 60 qwen2.5-0.5b "" "$g" "$g LORASERVE_GATED_EARLY_DELTA=1"
+            e2e_per_setting 80 qwen2.5-0.5b "" "$g" "$g LORASERVE_GATED_EARLY_DELTA=1"
             ;;
         knobs27)
             wave="LORASERVE_DECODE_ONE_WAVE=1"

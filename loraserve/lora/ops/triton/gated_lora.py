@@ -60,7 +60,12 @@ SHRINK_ENABLED = os.environ.get("LORASERVE_GATED_SHRINK", "0") == "1"
 EARLY_DELTA = os.environ.get("LORASERVE_GATED_EARLY_DELTA", "0") == "1"
 MAX_TOKENS = 32  # one tile of tokens; a decode step's batch (decode_linear.MAX_TOKENS)
 MAX_SHRINK_ROWS = 256  # rows of (slot, rank) of down's A tile a program holds (shrink_supports): 8 slots of rank 16 take 128
-DEFAULT_BLOCK_N = 64  # columns of each half a program owns (the --gated sweep's fastest; silu_and_mul_lora)
+# Columns of each half a program owns (the --gated sweep's fastest; silu_and_mul_lora). LORASERVE_GATED_BLOCK_N=128:
+# half the programs (Qwen2.5-0.5B: 38 instead of 76), so that with gate_up's GEMM in one wave on 76 SMs
+# (triton_decode_linear.ONE_WAVE) every program fits on an SM the GEMM leaves free and starts before the GEMM ends; at
+# 64 the 20 left over start only as the GEMM's programs end (session 27's trace: this launch ends 3.7-4.0 µs after the
+# GEMM, the plain SiLU-and-mul 1.1). Untimed
+DEFAULT_BLOCK_N = int(os.environ.get("LORASERVE_GATED_BLOCK_N", "64"))
 
 
 @triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])

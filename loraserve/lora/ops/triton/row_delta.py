@@ -39,7 +39,7 @@ registers (``kernel_resources.py --gemm-shrink``: 64 and 80) and is on by defaul
 turns it off). Measured (session 26, H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs, off -> on in one
 call): graph replay 1.33 -> 1.31 ms (base 1.05), step_trace 1.270x -> 1.236x the base, layer period 45.9 -> 44.7 µs.
 
-qkv's reader (``QKV_ENABLED``, opt-in until timed): where the input norm computed qkv's shrink (``norm_shrink``),
+qkv's reader (``QKV_ENABLED``, on by default): where the input norm computed qkv's shrink (``norm_shrink``),
 qkv's GEMM runs without its epilogue and lets the next launch start only after its own wait for that norm
 (``decode_linear(trigger_after_wait=True)``). The attention's rotary + KV-cache launch (``rotary_kv_cache(delta=
 ...)``, a program per head of a token) then reads the norm's shrink and its head's columns of B and computes the
@@ -75,8 +75,9 @@ ENABLED = os.environ.get("LORASERVE_DEFER_DELTA", "1") != "0"
 # module's NOTE). LORASERVE_GEMM_SHRINK=0: the shrink launch of session 22
 GEMM_SHRINK = os.environ.get("LORASERVE_GEMM_SHRINK", "1") != "0"
 # qkv's delta left to the attention's rotary + KV-cache launch, computed there before its PDL wait, where the input
-# norm computed qkv's shrink (LORASERVE_DEFER_QKV=1; opt-in until timed on a GPU). See the module's docstring
-QKV_ENABLED = os.environ.get("LORASERVE_DEFER_QKV", "0") == "1"
+# norm computed qkv's shrink (on by default since session 27, measured faster; LORASERVE_DEFER_QKV=0: the delta in
+# qkv's GEMM's epilogue). See the module's docstring
+QKV_ENABLED = os.environ.get("LORASERVE_DEFER_QKV", "1") != "0"
 QKV_MAX_HIDDEN = 2048  # qkv's input size up to which it is taken (small models: Llama-8B's qkv keeps its epilogue, untimed)
 MAX_HIDDEN = 2048  # the projection's output size (the norm's row): B's tile of a token lives in registers
 MAX_RANK = 64
