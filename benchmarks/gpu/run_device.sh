@@ -367,6 +367,7 @@ for stage in "$@"; do
         conf27)
             [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || gpu_tests 150
             g=LORASERVE_GATED_BLOCK_N=128
+            (export $g LORASERVE_GATED_EARLY_DELTA=1; new_tests 100 -n 4 tests/gpu/test_gated_lora.py tests/gpu/test_norm_shrink.py tests/gpu/test_fused_decoder_path.py)
             trace_per_setting 60 qwen2.5-0.5b "" "$g" "$g LORASERVE_GATED_EARLY_DELTA=1"
             e2e_per_setting 80 qwen2.5-0.5b "" "$g" "$g LORASERVE_GATED_EARLY_DELTA=1"
             ;;

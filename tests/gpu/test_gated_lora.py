@@ -261,6 +261,6 @@ def test_silu_and_mul_lora_refuses_a_down_that_does_not_fit():
     slots = torch.zeros(4, dtype=torch.int32, device=DEV)
     drank = torch.ones(2, dtype=torch.int32, device=DEV)
     with pytest.raises(AssertionError, match="down's A"):  # columns that are not gate/up's half
-        silu_and_mul_lora(y, buf, (b, b), slots, down=(torch.zeros(2, 1, 16, 32, dtype=torch.float16, device=DEV), drank))
+        silu_and_mul_lora(y, buf, (b, b), slots, block_n=64, down=(torch.zeros(2, 1, 16, 32, dtype=torch.float16, device=DEV), drank))
     with pytest.raises(AssertionError, match="down's A"):  # more (slot, rank) rows than one tile holds
-        silu_and_mul_lora(y, buf, (b, b), slots, down=(torch.zeros(2, 1, 256, 64, dtype=torch.float16, device=DEV), drank))
+        silu_and_mul_lora(y, buf, (b, b), slots, block_n=64, down=(torch.zeros(2, 1, 256, 64, dtype=torch.float16, device=DEV), drank))
