@@ -76,7 +76,7 @@
 #                                               off and on), bench_e2e the same but the norms' warps alone
 #   bash benchmarks/gpu/run_device.sh conf27    # every GPU test with session 27's defaults, then step_trace and bench_e2e Qwen-0.5B: the
 #                                               defaults, the gated SiLU-and-mul on 128 columns a program, and with its early delta
-#                                               (bench_e2e: the defaults and the last)
+#                                               (bench_e2e: the defaults and the last); bn27: without every GPU test and bench_e2e
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -371,6 +371,11 @@ for stage in "$@"; do
             (export $g LORASERVE_GATED_EARLY_DELTA=1; new_tests 100 -n 4 tests/gpu/test_gated_lora.py tests/gpu/test_norm_shrink.py tests/gpu/test_fused_decoder_path.py)
             trace_per_setting 60 qwen2.5-0.5b "" "$g" "$g LORASERVE_GATED_EARLY_DELTA=1"
             e2e_per_setting 80 qwen2.5-0.5b "" "$g LORASERVE_GATED_EARLY_DELTA=1"
+            ;;
+        bn27)  # conf27 without every GPU test and bench_e2e (the end of session 27's device time)
+            g=LORASERVE_GATED_BLOCK_N=128
+            (export $g LORASERVE_GATED_EARLY_DELTA=1; new_tests 60 -n 4 tests/gpu/test_gated_lora.py tests/gpu/test_norm_shrink.py)
+            trace_per_setting 40 qwen2.5-0.5b "" "$g" "$g LORASERVE_GATED_EARLY_DELTA=1"
             ;;
         knobs27)
             wave="LORASERVE_DECODE_ONE_WAVE=1"
