@@ -216,8 +216,9 @@ class ExpandEpilogue:
 # not registers, bounds its programs per SM (benchmarks/gpu/kernel_resources.py).
 
 
-def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
-    """The tiles for a (M, K) x (N, K)^T product at M <= 32 tokens.
+def default_tiles(M: int, N: int, K: int, dtype: torch.dtype, slices: tuple[int, ...] | None = None) -> DecodeTiles:
+    """The tiles for a (M, K) x (N, K)^T product at M <= 32 tokens; ``slices``: the widths of its LoRA slices,
+    where the GEMM adds their delta (the one-wave tiles only where they divide every slice).
 
     From the sweep of ``benchmarks/gpu/bench_decode_linear.py --tune`` on the H200 (Llama-8B shapes, 32
     tokens, bf16, 2026-12-03; µs, ours vs cuBLAS): 64-row blocks of W, 128-wide K steps, 5 stages on 4
@@ -231,7 +232,7 @@ def default_tiles(M: int, N: int, K: int, dtype: torch.dtype) -> DecodeTiles:
     if N > 16384:
         return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
     blocks = triton.cdiv(N, 64)
-    if ONE_WAVE and blocks > ONE_WAVE_SMS >= triton.cdiv(N, 128):
+    if ONE_WAVE and blocks > ONE_WAVE_SMS >= triton.cdiv(N, 128) and not any(n % 128 for n in slices or ()):
         return DecodeTiles(block_n=128, block_k=128, num_warps=8, num_stages=4)  # lm_head's tiles (see ONE_WAVE)
     split = max(1, min(4, 128 // blocks, K // 256))
     return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=5, split_k=split)
@@ -554,7 +555,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, slices: tuple[int, ...] | No
     if x.shape[1] != K or K % 16 != 0:
         return False
     if slices is not None:
-        t = tiles or default_tiles(x.shape[0], N, K, x.dtype)
+        t = tiles or default_tiles(x.shape[0], N, K, x.dtype, slices)
         if len(slices) > 3 or sum(slices) != N or any(n % t.block_n for n in slices):
             return False
     return True
@@ -591,7 +592,8 @@ def decode_linear(
     assert 0 < M <= MAX_TOKENS, f"decode_linear serves 1 to {MAX_TOKENS} tokens, got {M}"
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight must be contiguous along K"
     assert bias is None or (bias.shape == (N,) and bias.stride(0) == 1)
-    tiles = tiles or default_tiles(M, N, K, x.dtype)
+    sizes = tuple(b.shape[2] for b in lora.lora_b) if lora is not None else None
+    tiles = tiles or default_tiles(M, N, K, x.dtype, sizes)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cdt = compute_dtype_of(x.dtype, weight.dtype)
     lora_args: tuple = (x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -610,7 +612,6 @@ def decode_linear(
         split, n_buf, m_buf, R = lora.buf.shape
         assert 1 <= n_sl <= 3 and n_buf == n_sl and m_buf == M, f"buf {tuple(lora.buf.shape)} does not fit"
         assert lora.buf.dtype == torch.float32 and lora.buf.stride(3) == 1
-        sizes = [b.shape[2] for b in lora.lora_b]
         assert sum(sizes) == N and all(n % tiles.block_n == 0 for n in sizes), (
             f"slices {sizes} must sum to N={N} and be multiples of block_n={tiles.block_n}"
         )

@@ -290,6 +290,8 @@ def test_one_wave_tiles_fit_the_sms_and_give_the_same_product(monkeypatch):
     assert -(-N // default.block_n) * default.split_k > dl.ONE_WAVE_SMS, "two waves by default"
     assert -(-N // one.block_n) * one.split_k <= dl.ONE_WAVE_SMS, one
     assert dl.default_tiles(32, 1152, K, torch.float16) == qkv, "a product that fits one wave keeps its tiles"
+    assert dl.default_tiles(32, N, K, torch.float16, (4864, 4864)) == one, "slices of 38 128-row blocks each"
+    assert dl.default_tiles(32, 9600, K, torch.float16, (4800, 4800)).block_n == 64, "a slice of 37.5 keeps 64 rows"
     g = torch.Generator().manual_seed(4)
     x = torch.randn(32, K, generator=g).to(DEV, torch.float16)
     w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, torch.float16)

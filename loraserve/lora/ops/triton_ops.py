@@ -262,7 +262,7 @@ class TritonLoRAOps:
         if meta is None or not self.fuses_linear:
             return None
         slices = tuple(b.shape[2] for b in lora_b_stacked)
-        tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
+        tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, slices)
         return tiles if decode.supports(x, weight, slices, tiles) else None
 
     def _shrink_for(self, x, lora_a_stacked, ranks, meta, shrunk) -> tuple[torch.Tensor, bool] | None:
