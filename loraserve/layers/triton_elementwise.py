@@ -49,8 +49,8 @@ from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, tl_dtype
 
 # Elements of a norm's row a warp holds. Every norm kernel (plain, with a pending LoRA delta, with a shrink:
 # ``norm_shrink``) takes its warps from ``norm_warps``, so they lay the row out alike and sum its variance in one
-# order: the same bits. 128 (the default since session 27; LORASERVE_NORM_ROW_PER_WARP=256 gives the half as many warps
-# of before): the kernels with a delta fit in registers at Qwen's 896 (``kernel_resources.py --norm-delta``: 255
+# order: the same bits. 128 (the default since session 27; LORASERVE_NORM_ROW_PER_WARP=256: half as many warps, the
+# count before): the kernels with a delta fit in registers at Qwen's 896 (``kernel_resources.py --norm-delta``: 255
 # registers and 112-120 spill bytes a thread at 4 warps, 80-172 and none at 8). Measured (session 27, H100,
 # Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs): step_trace 1.261 -> 1.245 ms alone; with qkv's delta in the
 # rotary launch 1.214 -> 1.217 (the same) and bench_e2e's replay 1.28 -> 1.26; the base step unchanged (1.004-1.007)

@@ -50,13 +50,13 @@ b8b054c, reverted: not clearly faster, and on the GPU its head_dim-32 test faile
 decoded tokens and 1.285 -> 1.255 after 128 (bench_e2e's context), bench_e2e's replay 1.30 -> 1.28 (base 1.05).
 
 Layout: the norm's program owns one row (token); its B tile (BLOCK_R, BLOCK) sits in registers beside
-the row, so hidden sizes up to ``MAX_HIDDEN``. NOTE: compiled for sm_90 at the norms' warps (4 for a row of
-1024) the kernels with the delta take 255 registers and spill 88-120 bytes a thread, at twice the warps
+the row, so hidden sizes up to ``MAX_HIDDEN``. NOTE: compiled for sm_90 at 4 warps for a row of 1024 (the norms'
+count until session 27) the kernels with the delta take 255 registers and spill 88-120 bytes a thread, at 8 warps
 80 (fused_add_rms_norm) and 172 (norm_shrink) with no spill (``benchmarks/gpu/kernel_resources.py
---norm-delta``; B's tile transposed changes nothing). Twice the warps is another order of the variance's sum,
-so the norm's bits would differ from the plain norm kernels'; session 22 tried it together with qkv's delta in
-the rotary launch (commit b8b054c) and reverted both: that rotary launch failed its GPU test at head_dim 32
-and the tiny Llama's decoder test, and the step was not clearly faster (replay 1.33 vs 1.35 ms).
+--norm-delta``; B's tile transposed changes nothing). The warps set the order of the variance's sum, so every norm
+kernel, with a delta or not, takes them from ``triton_elementwise.norm_warps`` (8 at 1024 since session 27, measured
+faster: BENCHMARKS.md); session 22 had tried twice the warps for the kernels with a delta alone (other bits than the
+plain norm's) together with qkv's delta in the rotary launch after the wait (commit b8b054c), and reverted both.
 """
 
 from __future__ import annotations
