@@ -97,6 +97,7 @@ def registers_and_stack(kernel) -> tuple[int, int]:
 
 def norm_shrink_resources() -> None:
     """``norm_shrink``'s kernel as launched for bf16 x (the fused add + norm) at a few hidden sizes."""
+    from loraserve.layers import triton_elementwise as tew
     from loraserve.lora.ops.triton import norm_shrink as ns
 
     fn = ns._norm_shrink_kernel
@@ -105,8 +106,10 @@ def norm_shrink_resources() -> None:
     for K, adt in ((896, "*fp16"), (1536, "*fp16"), (2048, "*bf16"), (4096, "*fp16")):
         block = triton.next_power_of_2(K)
         ptrs = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", r_out_ptr="*bf16", a0_ptr=adt,
-                    a1_ptr=adt, a2_ptr=adt, buf_ptr="*fp32", slots_ptr="*i64", rank_ptr="*i32")  # fmt: skip
-        consts = dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True)
+                    a1_ptr=adt, a2_ptr=adt, buf_ptr="*fp32", slots_ptr="*i64", rank_ptr="*i32", d_buf_ptr="*fp32",
+                    d_b_ptr="*fp16", d_slots_ptr="*i32")  # fmt: skip
+        consts = dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True,
+                      W_EARLY=tew.NORM_WEIGHT_EARLY, HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)
         # K and its multiples (stride_ar is K) are multiples of 16 at these shapes
         sixteens = {"N", "stride_x", "stride_r", "stride_o", "stride_ro", "stride_as", "stride_ar", "stride_bi", "stride_bm"}
         warps = ns.num_warps(block)
@@ -132,11 +135,12 @@ def norm_delta_resources() -> None:
             d_consts = dict(HAS_DELTA=has_delta, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)
             kernels = [
                 ("fused_add_rms_norm", tew._fused_add_rms_norm_kernel, dict.fromkeys(rows, "*bf16"),
-                 dict(BLOCK=block, PDL_CHAIN=True)),
+                 dict(BLOCK=block, PDL_CHAIN=True, W_EARLY=tew.NORM_WEIGHT_EARLY)),
                 ("norm_shrink (qkv)", ns._norm_shrink_kernel,
                  {**dict.fromkeys(rows, "*bf16"), **dict.fromkeys(("a0_ptr", "a1_ptr", "a2_ptr"), "*fp16"),
                   "buf_ptr": "*fp32", "slots_ptr": "*i64", "rank_ptr": "*i32"},
-                 dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True)),
+                 dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True,
+                      W_EARLY=tew.NORM_WEIGHT_EARLY)),
             ]  # fmt: skip
             for name, fn, ptrs, consts in kernels:
                 for warps in (ns.num_warps(block), 2 * ns.num_warps(block)):

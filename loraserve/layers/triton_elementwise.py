@@ -62,26 +62,51 @@ def norm_warps(block: int) -> int:
     return min(16, max(1, block // NORM_ROW_PER_WARP))
 
 
+# The norm kernels load their weight before their PDL wait (a weight: nothing in the chain writes it), where after
+# the wait it was loaded once the variance's sum was done, a round trip to memory on the path between the kernel
+# before and the one after (LORASERVE_NORM_WEIGHT_EARLY=1; untimed, off by default). The same numbers either way
+NORM_WEIGHT_EARLY = os.environ.get("LORASERVE_NORM_WEIGHT_EARLY", "0") == "1"
+
+
 @triton.jit
-def rms_norm_row(x, w_ptr, offs, mask, N, eps):
+def norm_weight_early(w_ptr, offs, mask, W_EARLY: tl.constexpr):
+    """The norm's weight for ``rms_norm_row``, loaded here (before the caller's PDL wait) where W_EARLY; else a
+    placeholder (``rms_norm_row`` loads it)."""
+    w = 0.0
+    if W_EARLY:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    return w
+
+
+@triton.jit
+def rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY: tl.constexpr):
     """One row ``x`` in its storage dtype (masked lanes 0) -> weight * RMSNorm(x), in fp32 (the caller
-    rounds it to the output dtype): normalized in fp32, rounded to x's dtype, then times the weight."""
+    rounds it to the output dtype): normalized in fp32, rounded to x's dtype, then times the weight
+    (``w_early`` from ``norm_weight_early`` where W_EARLY, else loaded here)."""
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
     h = (xf * (1.0 / tl.sqrt_rn(var + eps))).to(x.dtype)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if W_EARLY:
+        w = w_early
+    else:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     return w.to(tl.float32) * h.to(tl.float32)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr, PDL_CHAIN: tl.constexpr):
-    if PDL_CHAIN:  # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait
-        pdl_link(True)
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr, PDL_CHAIN: tl.constexpr,
+                     W_EARLY: tl.constexpr):  # fmt: skip
+    # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait, but for its weight
+    if PDL_CHAIN:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w_early = norm_weight_early(w_ptr, offs, mask, W_EARLY)
+    if PDL_CHAIN:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    out = rms_norm_row(x, w_ptr, offs, mask, N, eps)
+    out = rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -92,19 +117,20 @@ def _fused_add_rms_norm_kernel(
     # x's pending LoRA delta (row_delta: the row-parallel projection that wrote x left it to this launch)
     d_buf_ptr, d_b_ptr, d_slots_ptr, stride_dbs, stride_dsp, stride_dsm, stride_dss, D_P, D_R,
     HAS_DELTA: tl.constexpr,
-    D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr,
+    D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr, W_EARLY: tl.constexpr,
 ):
-    # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait, but for the
-    # pending delta's B and slot (weights and the mapping, written before the forward)
+    # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait, but for its weight
+    # and the pending delta's B and slot (weights and the mapping, written before the forward)
     if PDL_CHAIN:
-        pdl_link(not HAS_DELTA)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w_early = norm_weight_early(w_ptr, offs, mask, W_EARLY)
     if HAS_DELTA:
         slot, bt = delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK_R)
-        if PDL_CHAIN:
-            tl.extra.cuda.gdc_wait()
+    if PDL_CHAIN:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_DELTA:
         x = plus_delta(x, bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, stride_dss, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
@@ -112,7 +138,7 @@ def _fused_add_rms_norm_kernel(
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(r_out_ptr.dtype.element_ty)  # torch's x + residual: fp32 add, one rounding
     tl.store(r_out_ptr + row * stride_ro + offs, h, mask=mask)
-    out = rms_norm_row(h, w_ptr, offs, mask, N, eps)
+    out = rms_norm_row(h, w_ptr, offs, mask, N, eps, w_early, W_EARLY)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -144,7 +170,7 @@ def fused_add_rms_norm(
         chain = pdl_chain(x.device)
         _fused_add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), N, eps,
-            BLOCK=block, PDL_CHAIN=chain, num_warps=norm_warps(block), launch_pdl=chain,
+            BLOCK=block, PDL_CHAIN=chain, W_EARLY=NORM_WEIGHT_EARLY, num_warps=norm_warps(block), launch_pdl=chain,
             **row_delta.kernel_args(delta, x2),
         )  # fmt: skip
     return out.view(x.shape), r_out.view(x.shape)
@@ -163,7 +189,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         chain = pdl_chain(x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, weight, out, x2.stride(0), out.stride(0), N, eps, BLOCK=block, PDL_CHAIN=chain,
-            num_warps=norm_warps(block), launch_pdl=chain,
+            W_EARLY=NORM_WEIGHT_EARLY, num_warps=norm_warps(block), launch_pdl=chain,
         )  # fmt: skip
     return out.view(*x.shape[:-1], N)
 

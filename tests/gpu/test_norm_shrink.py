@@ -94,6 +94,28 @@ def test_norm_shrink_matches_the_norm_and_the_shrink(case, residual, dtypes):
                 assert err < 1e-5, f"slice {i} token {t}: rel err {err}"
 
 
+def test_the_weight_loaded_before_the_wait_gives_the_same_bits(monkeypatch):
+    """LORASERVE_NORM_WEIGHT_EARLY: the norm kernels (plain, add + norm, norm_shrink) load their weight before their PDL
+    wait; their outputs are those of the weight loaded after it, bit for bit."""
+    T, K, n, S, R = CASES[0]
+    x, res, w, As, _, ranks, slots = random_case(T, K, n, S, R, HALF[-1], torch.float16, seed=11)
+    mapping, _ = mapping_of(slots)
+    rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
+    got = {}
+    for early in (False, True):
+        monkeypatch.setattr(tew, "NORM_WEIGHT_EARLY", early)
+        got[early] = (
+            tew.rms_norm(x, w, 1e-6),
+            *tew.fused_add_rms_norm(x, res, w, 1e-6),
+            *ns.norm_shrink(x, res, w, 1e-6, As, mapping.token_slots, rank_dev),
+        )
+    lora_rows = torch.tensor([s >= 0 for s in slots], device=DEV)
+    got = {e: (*outs[:5], outs[5][:, :, lora_rows]) for e, outs in got.items()}  # buf: base rows are unwritten
+    for i, (late, early) in enumerate(zip(got[False], got[True])):
+        assert torch.equal(late, early), f"output {i}: the weight's load moved, the bits changed"
+    assert not torch.equal(got[True][0], tew.rms_norm(x, torch.ones_like(w), 1e-6)), "the weight is used"
+
+
 def test_supports_refuses_what_it_cannot_do():
     x = torch.zeros(4, 256, dtype=torch.float16, device=DEV)
     a = torch.zeros(2, 1, 16, 256, dtype=torch.float16, device=DEV)

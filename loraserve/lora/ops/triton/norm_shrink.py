@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.layers.triton_elementwise import norm_warps, rms_norm_row
+from loraserve.layers import triton_elementwise
+from loraserve.layers.triton_elementwise import norm_warps, norm_weight_early, rms_norm_row
 from loraserve.lora.ops.triton import row_delta
 from loraserve.lora.ops.triton.row_delta import delta_b_tile, plus_delta
 from loraserve.lora.ops.triton.utils import pdl_chain, slice_ptr, tl_dtype
@@ -64,7 +65,7 @@ def _norm_shrink_kernel(
     # x's pending LoRA delta (row_delta: the row-parallel projection that wrote x left it to this launch)
     d_buf_ptr, d_b_ptr, d_slots_ptr, stride_dbs, stride_dsp, stride_dsm, stride_dss, D_P, D_R,
     HAS_DELTA: tl.constexpr,
-    D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr,
+    D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr, W_EARLY: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -81,6 +82,7 @@ def _norm_shrink_kernel(
     a_ptrs = slice_ptr(sl, a0_ptr, a1_ptr, a2_ptr) + tl.maximum(slot, 0).to(tl.int64) * stride_as
     a_ptrs = a_ptrs + offs_r[:, None] * stride_ar + offs[None, :]
     a = tl.load(a_ptrs, mask=(offs_r < rank)[:, None] & mask[None, :], other=0.0)
+    w_early = norm_weight_early(w_ptr, offs, mask, W_EARLY)
     if HAS_DELTA:  # every program of the row adds it (a few KB of B each: cheaper than a round trip between them)
         d_slot, bt = delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK_R)
     if PDL_CHAIN:
@@ -93,7 +95,7 @@ def _norm_shrink_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r_out_ptr.dtype.element_ty)
         if j == 0:
             tl.store(r_out_ptr + row * stride_ro + offs, x, mask=mask)
-    out = rms_norm_row(x, w_ptr, offs, mask, N, eps).to(out_ptr.dtype.element_ty)
+    out = rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY).to(out_ptr.dtype.element_ty)
     if j == 0:
         tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
     s = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1)  # (BLOCK_R,): zeros past the rank
@@ -156,6 +158,7 @@ def norm_shrink(
             x.stride(0), res.stride(0), out.stride(0), r_out.stride(0), a0.stride(0), a0.stride(2),
             buf.stride(1), buf.stride(2), K, R, eps,
             HAS_RESIDUAL=residual is not None, NUM_RBLOCKS=n_rblocks, BLOCK=block, BLOCK_R=BLOCK_R,
-            PDL_CHAIN=chain, num_warps=num_warps(block), launch_pdl=chain, **row_delta.kernel_args(delta, x),
+            PDL_CHAIN=chain, W_EARLY=triton_elementwise.NORM_WEIGHT_EARLY, num_warps=num_warps(block), launch_pdl=chain,
+            **row_delta.kernel_args(delta, x),
         )  # fmt: skip
     return out, (r_out if residual is not None else None), buf
