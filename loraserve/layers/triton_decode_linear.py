@@ -172,14 +172,22 @@ def prefetch_ahead(b_dtype: torch.dtype) -> int:
 
 MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens; tuned there); beyond it, cuBLAS
 # Knob (a module attribute; LORASERVE_DECODE_ONE_WAVE=0 turns it off): a product whose 64-row blocks would take more
-# programs than ONE_WAVE_SMS (one program an SM: their 120 KB of shared memory), but whose 128-row blocks fit, runs in
-# one wave of 128-row blocks. Why: a PDL dependent launches once every program of its predecessor has started, so
+# programs than the GPU has SMs (``sm_count``; one program an SM: their 120 KB of shared memory), but whose 128-row
+# blocks fit, runs in one wave of 128-row blocks. Why: a PDL dependent launches once every program of its predecessor has started, so
 # behind a two-wave GEMM (Qwen2.5-0.5B's gate/up: 152 blocks) the SiLU-and-mul starts only 2.7 µs before the GEMM
 # ends (session 26). Measured (session 27, H100, Qwen2.5-0.5B, 32 tokens, CUDA graphs, with qkv's delta in the
 # rotary launch and the norms on twice the warps): faster for the base step and the 8-adapter step alike, graph
 # replay base 1.05 -> 1.01 ms and 8 adapters 1.26 -> 1.24 (step_trace 1.004 -> 0.969 and 1.217 -> 1.198): on by default
 ONE_WAVE = os.environ.get("LORASERVE_DECODE_ONE_WAVE", "1") != "0"
-ONE_WAVE_SMS = 132  # the H100's and H200's SMs
+ONE_WAVE_SMS = 132  # where no CUDA device answers (the interpreter): the H100 SXM's and H200's SMs
+
+
+@functools.cache
+def sm_count() -> int:
+    """The current CUDA device's SMs (an H100 PCIe has 114, the SXM 132), else ONE_WAVE_SMS."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return ONE_WAVE_SMS
 
 
 @dataclass(frozen=True)
@@ -232,7 +240,7 @@ def default_tiles(M: int, N: int, K: int, dtype: torch.dtype, slices: tuple[int,
     if N > 16384:
         return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
     blocks = triton.cdiv(N, 64)
-    if ONE_WAVE and blocks > ONE_WAVE_SMS >= triton.cdiv(N, 128) and not any(n % 128 for n in slices or ()):
+    if ONE_WAVE and blocks > sm_count() >= triton.cdiv(N, 128) and not any(n % 128 for n in slices or ()):
         return DecodeTiles(block_n=128, block_k=128, num_warps=8, num_stages=4)  # lm_head's tiles (see ONE_WAVE)
     split = max(1, min(4, 128 // blocks, K // 256))
     return DecodeTiles(block_n=64, block_k=128, num_warps=4, num_stages=5, split_k=split)

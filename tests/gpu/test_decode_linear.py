@@ -287,8 +287,8 @@ def test_one_wave_tiles_fit_the_sms_and_give_the_same_product(monkeypatch):
     default, qkv = dl.default_tiles(32, N, K, torch.float16), dl.default_tiles(32, 1152, K, torch.float16)
     monkeypatch.setattr(dl, "ONE_WAVE", True)
     one = dl.default_tiles(32, N, K, torch.float16)
-    assert -(-N // default.block_n) * default.split_k > dl.ONE_WAVE_SMS, "two waves by default"
-    assert -(-N // one.block_n) * one.split_k <= dl.ONE_WAVE_SMS, one
+    assert -(-N // default.block_n) * default.split_k > dl.sm_count(), "two waves by default"
+    assert -(-N // one.block_n) * one.split_k <= dl.sm_count(), one
     assert dl.default_tiles(32, 1152, K, torch.float16) == qkv, "a product that fits one wave keeps its tiles"
     assert dl.default_tiles(32, N, K, torch.float16, (4864, 4864)) == one, "slices of 38 128-row blocks each"
     assert dl.default_tiles(32, 9600, K, torch.float16, (4800, 4800)).block_n == 64, "a slice of 37.5 keeps 64 rows"
