@@ -40,11 +40,12 @@ SIXTEENS = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", "N0"
 
 
 def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0, pf_ahead: int = 0,
-               shrink: bool = False):
+               shrink: bool = False, w_pf_lines: int = 0):
     """The kernel as decode_linear launches it for 32 tokens with the default tiles (bf16 x and W;
     8 slots of rank 16 when lora_dtype is "fp32", "bf16" or "fp16" (tf32 products); ``maxnreg``: a register cap, the launch
     option, which session 9 timed and dropped; ``pf_ahead``: the B pull's K steps, main() passes the
-    default of the dtype, dl.prefetch_ahead; ``shrink``: the extra column blocks of ``shrink_into``, A's rows in bf16 as W)."""
+    default of the dtype, dl.prefetch_ahead; ``shrink``: the extra column blocks of ``shrink_into``, A's rows in bf16 as W;
+    ``w_pf_lines``: W's 128-byte lines along K pulled into L2 before the wait, ``W_PREFETCH``)."""
     N = sum(slices)
     tiles = dl.default_tiles(32, N, K, None)
     lora = lora_dtype is not None
@@ -60,6 +61,7 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
         CDT=tl.bfloat16, IEEE=False, LORA_CDT=cdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
         WAIT_FIRST=not lora, TRIGGER_AFTER_WAIT=False, PF_AHEAD=pf_ahead if lora else 0, PF_SLOTS=8,
         PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype in ("bf16", "fp16") else 4) // 128),
+        W_PF_LINES=w_pf_lines, W_PER_LINE=64,
     )  # fmt: skip
     options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if maxnreg:
@@ -180,7 +182,7 @@ def early_resources() -> None:
     base = dict(R=16, HAS_BIAS=True, HAS_LORA=False, HAS_SHRINK=False, NUM_SLICES=1, BLOCK_M=32, BLOCK_N=tiles.block_n,
                 BLOCK_K=tiles.block_k, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, SPLIT_W=tiles.split_k, EVEN_K=True,
                 EVEN_N=True, CDT=tl.bfloat16, IEEE=False, LORA_CDT=tl.float32, LORA_IEEE=False, USE_PDL=False,
-                PDL_CHAIN=True, WAIT_FIRST=True, PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1)  # fmt: skip
+                PDL_CHAIN=True, WAIT_FIRST=True, PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1, W_PF_LINES=0, W_PER_LINE=64)  # fmt: skip
     opts = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     for trigger in (False, True):
         k = compile_as_launched(fn, ptrs, {**base, "TRIGGER_AFTER_WAIT": trigger}, SIXTEENS, opts)

@@ -179,6 +179,12 @@ MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens;
 # rotary launch and the norms on twice the warps): faster for the base step and the 8-adapter step alike, graph
 # replay base 1.05 -> 1.01 ms and 8 adapters 1.26 -> 1.24 (step_trace 1.004 -> 0.969 and 1.217 -> 1.198): on by default
 ONE_WAVE = os.environ.get("LORASERVE_DECODE_ONE_WAVE", "1") != "0"
+# Knob (a module attribute; LORASERVE_DECODE_W_PREFETCH=1; untimed, off): a GEMM that is an ordinary link of the PDL
+# chain (it waits for the kernel before it before its K loop) first asks L2 for its rows of W over its K range, a
+# prefetch per 128-byte line (weights: nothing in the chain writes them), so that after the wait its K loop meets
+# L2's latency, not DRAM's. Why: a link launches while the kernel before it runs (a norm, the attention, the
+# SiLU-and-mul: a few µs), and its programs sit idle until that kernel ends
+W_PREFETCH = os.environ.get("LORASERVE_DECODE_W_PREFETCH", "0") == "1"
 ONE_WAVE_SMS = 132  # where no CUDA device answers (the interpreter): the H100 SXM's and H200's SMs
 
 
@@ -332,6 +338,16 @@ def _epilogue(
 
 
 @triton.jit
+def _prefetch_w(src_ptr, row0, n_rows, k_lo, k_hi, stride_wn, BLOCK_N: tl.constexpr, LINES: tl.constexpr,
+                PER_LINE: tl.constexpr):  # fmt: skip
+    """Pull into L2 this program's rows of W (or of A: the shrink's blocks) over its K range, a prefetch a 128-byte
+    line (``W_PREFETCH``); addresses clamped to the rows and the K range (no prefetch past them)."""
+    rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), n_rows - 1)
+    ks = tl.minimum(k_lo + tl.arange(0, LINES) * PER_LINE, k_hi - 1)
+    prefetch_l2(src_ptr + rows[:, None].to(tl.int64) * stride_wn + ks[None, :])
+
+
+@triton.jit
 def _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R: tl.constexpr,
                 NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, PF_SLOTS: tl.constexpr, PF_LINES: tl.constexpr):  # fmt: skip
     """Pull into L2 the B that this column block's epilogue will load (every slot's BLOCK_N x R, contiguous
@@ -480,9 +496,11 @@ def _decode_linear_kernel(
     PF_AHEAD: tl.constexpr,  # (HAS_LORA) K steps before the loop's end at which B is pulled into L2 (0: never)
     PF_SLOTS: tl.constexpr,  # slots whose B is pulled (a power of 2 >= S)
     PF_LINES: tl.constexpr,  # 128-byte lines of one slot's B for this block's columns (a power of 2)
+    W_PF_LINES: tl.constexpr,  # (WAIT_FIRST) 128-byte lines along K of each of our rows pulled into L2 before the wait (0: none)
+    W_PER_LINE: tl.constexpr,  # elements of W in 128 bytes
 ):
     pid = tl.program_id(0)
-    if PDL_CHAIN:
+    if PDL_CHAIN and W_PF_LINES == 0:
         if TRIGGER_AFTER_WAIT:  # our dependent may read what the kernel before us wrote before its own wait
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -506,6 +524,13 @@ def _decode_linear_kernel(
             src_ptr = a_ptr
             row0 = (pid_n - NB_W) * BLOCK_N
             n_rows = NA
+    if PDL_CHAIN and W_PF_LINES > 0:  # as above, with our rows of W pulled into L2 before the wait
+        if not TRIGGER_AFTER_WAIT:
+            tl.extra.cuda.gdc_launch_dependents()
+        _prefetch_w(src_ptr, row0, n_rows, k_lo, k_hi, stride_wn, BLOCK_N, W_PF_LINES, W_PER_LINE)
+        tl.extra.cuda.gdc_wait()
+        if TRIGGER_AFTER_WAIT:
+            tl.extra.cuda.gdc_launch_dependents()
     acc = _k_loop(x_ptr, src_ptr, row0, n_rows, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, b1_ptr, b2_ptr,
                   stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_K,
                   EVEN_K, EVEN_N, CDT, IEEE, PF_AHEAD, PF_SLOTS, PF_LINES)  # fmt: skip
@@ -667,6 +692,9 @@ def decode_linear(
     n_blocks = n_w_blocks + shrink_args[3] // tiles.block_n
     split = tiles.split_k
     k_per_split = triton.cdiv(triton.cdiv(K, split), tiles.block_k) * tiles.block_k
+    w_per_line = 128 // weight.element_size()
+    w_pf = chain and not pdl and W_PREFETCH and not interpreted()  # (prefetch_l2 is inline PTX)
+    w_pf_lines = triton.next_power_of_2(triton.cdiv(k_per_split, w_per_line)) if w_pf else 0
     ws, cnt = (x, x)
     if split > 1:
         ws = persistent_buffer(x.device, "decode_linear/partials", split * n_blocks * tiles.block_n * block_m, torch.float32)
@@ -684,7 +712,7 @@ def decode_linear(
         # letting us launch, and the epilogue waits for the shrink's buf; else we wait first
         USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl,
         TRIGGER_AFTER_WAIT=chain and not pdl and trigger_after_wait, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        launch_pdl=pdl or chain,
+        launch_pdl=pdl or chain, W_PF_LINES=w_pf_lines, W_PER_LINE=w_per_line,
         **pf,
         **lora_consts,
     )  # fmt: skip

@@ -298,3 +298,25 @@ def test_one_wave_tiles_fit_the_sms_and_give_the_same_product(monkeypatch):
     want = F.linear(x.float(), w.float())
     assert rel_err(decode_linear(x, w, tiles=one), want) < 2e-3
     assert rel_err(decode_linear(x, w, tiles=one), decode_linear(x, w, tiles=default)) < 2e-3
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="the prefetch is inline PTX: off under the interpreter")
+@pytest.mark.parametrize("N, K", [(1152, 896), (2 * 4864, 896), (896, 4864)], ids=["qkv", "gate_up", "down"])
+def test_w_prefetch_before_the_wait_gives_the_same_product(N, K, monkeypatch):
+    """LORASERVE_DECODE_W_PREFETCH: a link of the PDL chain pulls its rows of W into L2 before its wait (Qwen2.5-0.5B's
+    shapes: split-K, one wave, and the trigger after the wait); its product is the plain launch's, bit for bit."""
+    from loraserve.layers import triton_decode_linear as dl
+    from loraserve.lora.ops.triton.utils import pdl_chain
+
+    if not pdl_chain(DEV):
+        pytest.skip("no PDL chain on this GPU: the prefetch is not taken")
+    g = torch.Generator().manual_seed(N + K)
+    x = torch.randn(32, K, generator=g).to(DEV, torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, torch.bfloat16)
+    got = {}
+    for pf in (False, True):
+        monkeypatch.setattr(dl, "W_PREFETCH", pf)
+        got[pf] = (decode_linear(x, w), decode_linear(x, w, trigger_after_wait=True))
+    for plain, pulled in zip(got[False], got[True]):
+        assert torch.equal(plain, pulled), "the prefetch changed the product"
+    assert rel_err(got[True][0], F.linear(x.float(), w.float())) < 1e-2
