@@ -185,6 +185,10 @@ ONE_WAVE = os.environ.get("LORASERVE_DECODE_ONE_WAVE", "1") != "0"
 # L2's latency, not DRAM's. Why: a link launches while the kernel before it runs (a norm, the attention, the
 # SiLU-and-mul: a few µs), and its programs sit idle until that kernel ends
 W_PREFETCH = os.environ.get("LORASERVE_DECODE_W_PREFETCH", "0") == "1"
+# ... for a W of at most this many bytes: the resident programs pull all of their rows at once, which must fit in L2
+# beside what the step's other kernels keep there (the H100's and H200's L2: 50 MB; Qwen2.5-0.5B's gate/up 17 MB,
+# Llama-8B's qkv 50 MB)
+W_PREFETCH_MAX_BYTES = 24 << 20
 ONE_WAVE_SMS = 132  # where no CUDA device answers (the interpreter): the H100 SXM's and H200's SMs
 
 
@@ -693,7 +697,8 @@ def decode_linear(
     split = tiles.split_k
     k_per_split = triton.cdiv(triton.cdiv(K, split), tiles.block_k) * tiles.block_k
     w_per_line = 128 // weight.element_size()
-    w_pf = chain and not pdl and W_PREFETCH and not interpreted()  # (prefetch_l2 is inline PTX)
+    w_bytes = weight.numel() * weight.element_size()
+    w_pf = chain and not pdl and W_PREFETCH and w_bytes <= W_PREFETCH_MAX_BYTES and not interpreted()  # (inline PTX)
     w_pf_lines = triton.next_power_of_2(triton.cdiv(k_per_split, w_per_line)) if w_pf else 0
     ws, cnt = (x, x)
     if split > 1:
