@@ -535,7 +535,7 @@ def main() -> None:
             with open(args.tiles_out, "w") as f:
                 json.dump({k: v["tiles"] for k, v in result["tune"].items()}, f)
         default = dl.default_tiles  # the tables below run the tuned tiles where the sweep has them
-        dl.default_tiles = lambda M, N, K, dtype: table.get(f"{N},{K}") or default(M, N, K, dtype)
+        dl.default_tiles = lambda M, N, K, dtype, slices=None: table.get(f"{N},{K}") or default(M, N, K, dtype, slices)
     if not args.tables:
         return
     ops = TritonLoRAOps(DEV)

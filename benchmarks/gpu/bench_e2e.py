@@ -270,7 +270,7 @@ def use_decode_tiles(path: str) -> None:
     with open(path) as f:
         table = {k: dl.DecodeTiles(**v) for k, v in json.load(f).items()}
     default = dl.default_tiles
-    dl.default_tiles = lambda M, N, K, dtype: table.get(f"{N},{K}") or default(M, N, K, dtype)
+    dl.default_tiles = lambda M, N, K, dtype, slices=None: table.get(f"{N},{K}") or default(M, N, K, dtype, slices)
     print(f"decode tiles: {table}", flush=True)
 
 

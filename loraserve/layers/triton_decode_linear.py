@@ -192,6 +192,16 @@ W_PREFETCH_MAX_BYTES = 24 << 20
 ONE_WAVE_SMS = 132  # where no CUDA device answers (the interpreter): the H100 SXM's and H200's SMs
 
 
+def w_prefetch_lines(weight: torch.Tensor, shrink_rows: int, k_per_split: int) -> int:
+    """The 128-byte lines along K of each of its rows that a decode GEMM, a waiting link of the PDL chain, pulls
+    into L2 before its wait (``W_PREFETCH``): 0 where it is off, where W and the shrink's rows of A pass
+    W_PREFETCH_MAX_BYTES, or under the interpreter (the prefetch is inline PTX); at most 32 (4 KB a row of bf16)."""
+    nbytes = (weight.shape[0] + shrink_rows) * weight.shape[1] * weight.element_size()
+    if not W_PREFETCH or nbytes > W_PREFETCH_MAX_BYTES or interpreted():
+        return 0
+    return min(32, triton.next_power_of_2(triton.cdiv(k_per_split * weight.element_size(), 128)))
+
+
 @functools.cache
 def sm_count() -> int:
     """The current CUDA device's SMs (an H100 PCIe has 114, the SXM 132), else ONE_WAVE_SMS."""
@@ -503,6 +513,7 @@ def _decode_linear_kernel(
     W_PF_LINES: tl.constexpr,  # (WAIT_FIRST) 128-byte lines along K of each of our rows pulled into L2 before the wait (0: none)
     W_PER_LINE: tl.constexpr,  # elements of W in 128 bytes
 ):
+    tl.static_assert(W_PF_LINES == 0 or WAIT_FIRST, "W's prefetch is for a link that waits before its K loop")
     pid = tl.program_id(0)
     if PDL_CHAIN and W_PF_LINES == 0:
         if TRIGGER_AFTER_WAIT:  # our dependent may read what the kernel before us wrote before its own wait
@@ -697,9 +708,7 @@ def decode_linear(
     split = tiles.split_k
     k_per_split = triton.cdiv(triton.cdiv(K, split), tiles.block_k) * tiles.block_k
     w_per_line = 128 // weight.element_size()
-    w_bytes = weight.numel() * weight.element_size()
-    w_pf = chain and not pdl and W_PREFETCH and w_bytes <= W_PREFETCH_MAX_BYTES and not interpreted()  # (inline PTX)
-    w_pf_lines = triton.next_power_of_2(triton.cdiv(k_per_split, w_per_line)) if w_pf else 0
+    w_pf_lines = w_prefetch_lines(weight, shrink_args[3], k_per_split) if chain and not pdl else 0
     ws, cnt = (x, x)
     if split > 1:
         ws = persistent_buffer(x.device, "decode_linear/partials", split * n_blocks * tiles.block_n * block_m, torch.float32)

@@ -28,7 +28,8 @@ keep each fused kernel's arithmetic the same as its unfused twin's.
 
 On Hopper each of them (but the plain rotary) is a link of the decode step's PDL chain
 (``utils.pdl_chain``): launched while the kernel before it runs, it lets the next kernel launch at
-once and waits before touching memory. The launch gaps between them are hidden, and a LoRA shrink
+once and waits before touching memory (but for what the chain never writes, which a link may load before its
+wait: a pending LoRA delta's B and slot, and with ``NORM_WEIGHT_EARLY`` the norm's weight). The launch gaps between them are hidden, and a LoRA shrink
 after a norm or SiLU-and-mul loads its A while they run (session 7, H200, Llama-8B, 8 adapters: the
 8-adapter step 5.56 vs 5.98 ms with the chain off; the base step 4.79 vs 4.89).
 
@@ -45,7 +46,7 @@ import triton.language as tl
 
 from loraserve.lora.ops.triton import row_delta
 from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of, plus_delta, shrunk_row
-from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, tl_dtype
+from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, power_of_two_env, tl_dtype
 
 # Elements of a norm's row a warp holds. Every norm kernel (plain, with a pending LoRA delta, with a shrink:
 # ``norm_shrink``) takes its warps from ``norm_warps``, so they lay the row out alike and sum its variance in one
@@ -54,7 +55,7 @@ from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, tl_dtype
 # registers and 112-120 spill bytes a thread at 4 warps, 80-172 and none at 8). Measured (session 27, H100,
 # Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs): step_trace 1.261 -> 1.245 ms alone; with qkv's delta in the
 # rotary launch 1.214 -> 1.217 (the same) and bench_e2e's replay 1.28 -> 1.26; the base step unchanged (1.004-1.007)
-NORM_ROW_PER_WARP = int(os.environ.get("LORASERVE_NORM_ROW_PER_WARP", "128"))
+NORM_ROW_PER_WARP = power_of_two_env("LORASERVE_NORM_ROW_PER_WARP", 128, 32, 4096)
 
 
 def norm_warps(block: int) -> int:

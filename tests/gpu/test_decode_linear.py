@@ -277,6 +277,36 @@ def test_supports_refuses_what_it_cannot_do():
     assert not supports(x, w.t().contiguous().t())  # W not contiguous along K
 
 
+def test_power_of_two_env_names_the_knob_and_the_fix(monkeypatch):
+    from loraserve.lora.ops.triton.utils import power_of_two_env
+
+    monkeypatch.delenv("LORASERVE_TEST_KNOB", raising=False)
+    assert power_of_two_env("LORASERVE_TEST_KNOB", 64, 16, 256) == 64
+    monkeypatch.setenv("LORASERVE_TEST_KNOB", "128")
+    assert power_of_two_env("LORASERVE_TEST_KNOB", 64, 16, 256) == 128
+    for bad in ("100", "0", "512", "8", "x", "-64", ""):
+        monkeypatch.setenv("LORASERVE_TEST_KNOB", bad)
+        with pytest.raises(ValueError, match="LORASERVE_TEST_KNOB=.*power of two from 16 to 256"):
+            power_of_two_env("LORASERVE_TEST_KNOB", 64, 16, 256)
+
+
+def test_w_prefetch_lines_cover_the_k_range_within_its_bounds(monkeypatch):
+    """W_PREFETCH's lines: off by default and under the interpreter, none past the size cap, at most 32 a row."""
+    from loraserve.layers import triton_decode_linear as dl
+
+    w = torch.empty(1152, 896, dtype=torch.bfloat16)
+    monkeypatch.setattr(dl, "W_PREFETCH", False)
+    assert dl.w_prefetch_lines(w, 0, 896) == 0, "off by default"
+    monkeypatch.setattr(dl, "W_PREFETCH", True)
+    monkeypatch.setattr(dl, "interpreted", lambda: False)
+    assert dl.w_prefetch_lines(w, 0, 896) == 16, "896 bf16 = 14 lines of 128 bytes, rounded up to 16"
+    assert dl.w_prefetch_lines(w, 0, 4096) == 32, "at most 32"
+    big = torch.empty(6144, 4096, dtype=torch.bfloat16)  # Llama-8B's qkv: 50 MB
+    assert dl.w_prefetch_lines(big, 0, 4096) == 0, "past W_PREFETCH_MAX_BYTES"
+    monkeypatch.setattr(dl, "interpreted", lambda: True)
+    assert dl.w_prefetch_lines(w, 0, 896) == 0, "inline PTX: not under the interpreter"
+
+
 def test_one_wave_tiles_fit_the_sms_and_give_the_same_product(monkeypatch):
     """LORASERVE_DECODE_ONE_WAVE: a product of more 64-row blocks than SMs (Qwen2.5-0.5B's gate/up, 2 x 4864 rows) runs
     128-row blocks, at most one program an SM, with the product of the default tiles; narrower products keep theirs."""
@@ -287,7 +317,7 @@ def test_one_wave_tiles_fit_the_sms_and_give_the_same_product(monkeypatch):
     default, qkv = dl.default_tiles(32, N, K, torch.float16), dl.default_tiles(32, 1152, K, torch.float16)
     monkeypatch.setattr(dl, "ONE_WAVE", True)
     one = dl.default_tiles(32, N, K, torch.float16)
-    assert -(-N // default.block_n) * default.split_k > dl.sm_count(), "two waves by default"
+    assert -(-N // default.block_n) * default.split_k > dl.sm_count(), "two waves with ONE_WAVE off"
     assert -(-N // one.block_n) * one.split_k <= dl.sm_count(), one
     assert dl.default_tiles(32, 1152, K, torch.float16) == qkv, "a product that fits one wave keeps its tiles"
     assert dl.default_tiles(32, N, K, torch.float16, (4864, 4864)) == one, "slices of 38 128-row blocks each"
@@ -313,6 +343,8 @@ def test_w_prefetch_before_the_wait_gives_the_same_product(N, K, monkeypatch):
     g = torch.Generator().manual_seed(N + K)
     x = torch.randn(32, K, generator=g).to(DEV, torch.bfloat16)
     w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, torch.bfloat16)
+    monkeypatch.setattr(dl, "W_PREFETCH", True)
+    assert dl.w_prefetch_lines(w, 0, K) > 0, "the prefetch is taken at these shapes"
     got = {}
     for pf in (False, True):
         monkeypatch.setattr(dl, "W_PREFETCH", pf)

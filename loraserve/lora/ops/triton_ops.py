@@ -153,12 +153,13 @@ class TritonLoRAOps:
             down = None
             if then_shrink is not None and gated_lora.SHRINK_ENABLED:
                 down = then_shrink(y[:, : y.shape[1] // 2])  # an input like the activation's output
-                if down is not None and not gated_lora.shrink_supports(down.lora_a, y):
+                if down is not None and not gated_lora.shrink_supports(down.lora_a, y, gated_lora.DEFAULT_BLOCK_N):
                     down = None
             if down is None:
-                return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, s_ready=early)
-            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, down=(down.lora_a, down.ranks),
-                                                s_ready=early)  # fmt: skip
+                return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, block_n=gated_lora.DEFAULT_BLOCK_N,
+                                                    s_ready=early)  # fmt: skip
+            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, block_n=gated_lora.DEFAULT_BLOCK_N,
+                                                down=(down.lora_a, down.ranks), s_ready=early)  # fmt: skip
         epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
 

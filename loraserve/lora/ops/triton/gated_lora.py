@@ -43,6 +43,7 @@ from loraserve.lora.ops.triton.utils import (
     dot_in,
     pdl_chain,
     persistent_buffer,
+    power_of_two_env,
     sum_planes,
     tl_dtype,
 )
@@ -65,7 +66,7 @@ MAX_SHRINK_ROWS = 256  # rows of (slot, rank) of down's A tile a program holds (
 # (triton_decode_linear.ONE_WAVE) every program fits on an SM the GEMM leaves free and starts before the GEMM ends; at
 # 64 the 20 left over start only as the GEMM's programs end (session 27's trace: this launch ends 3.7-4.0 µs after the
 # GEMM, the plain SiLU-and-mul 1.1). Untimed
-DEFAULT_BLOCK_N = int(os.environ.get("LORASERVE_GATED_BLOCK_N", "64"))
+DEFAULT_BLOCK_N = power_of_two_env("LORASERVE_GATED_BLOCK_N", 64, 16, 256)
 
 
 @triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])

@@ -14,6 +14,16 @@ from loraserve.lora.ops import precision
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def power_of_two_env(name: str, default: int, lo: int, hi: int) -> int:
+    """An integer knob from the environment: a power of two from lo to hi (``default`` where unset), else a
+    ValueError that names the knob and the fix (read at import: a bad value must not surface as a compile error)."""
+    raw = os.environ.get(name, str(default))
+    value = int(raw) if raw.strip().isdigit() else 0
+    if not (lo <= value <= hi and value & (value - 1) == 0):
+        raise ValueError(f"{name}={raw!r}: give a power of two from {lo} to {hi}, or unset it for the default {default}")
+    return value
+
+
 def tl_dtype(dtype: torch.dtype):
     if dtype not in _TL:
         raise TypeError(f"LoRA kernels take float32, bfloat16 or float16 tensors, got {dtype}")
