@@ -136,7 +136,6 @@ from loraserve.lora.ops.triton.utils import (
     dot_in,
     interpreted,
     pdl_chain,
-    pdl_link,
     persistent_buffer,
     prefetch_l2,
     tl_dtype,
@@ -513,14 +512,11 @@ def _decode_linear_kernel(
     W_PF_LINES: tl.constexpr,  # (WAIT_FIRST) 128-byte lines along K of each of our rows pulled into L2 before the wait (0: none)
     W_PER_LINE: tl.constexpr,  # elements of W in 128 bytes
 ):
-    tl.static_assert(W_PF_LINES == 0 or WAIT_FIRST, "W's prefetch is for a link that waits before its K loop")
+    tl.static_assert((W_PF_LINES == 0 and not TRIGGER_AFTER_WAIT) or WAIT_FIRST,
+                     "W's prefetch and the trigger after the wait are for a link that waits before its K loop")
     pid = tl.program_id(0)
-    if PDL_CHAIN and W_PF_LINES == 0:
-        if TRIGGER_AFTER_WAIT:  # our dependent may read what the kernel before us wrote before its own wait
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        else:
-            pdl_link(WAIT_FIRST)
+    if PDL_CHAIN and not TRIGGER_AFTER_WAIT:  # a link of the chain: our dependent may launch now
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_W == 1:
         pid_n = pid
         k_lo = pid * 0
@@ -539,12 +535,12 @@ def _decode_linear_kernel(
             src_ptr = a_ptr
             row0 = (pid_n - NB_W) * BLOCK_N
             n_rows = NA
-    if PDL_CHAIN and W_PF_LINES > 0:  # as above, with our rows of W pulled into L2 before the wait
-        if not TRIGGER_AFTER_WAIT:
-            tl.extra.cuda.gdc_launch_dependents()
-        _prefetch_w(src_ptr, row0, n_rows, k_lo, k_hi, stride_wn, BLOCK_N, W_PF_LINES, W_PER_LINE)
-        tl.extra.cuda.gdc_wait()
-        if TRIGGER_AFTER_WAIT:
+    if PDL_CHAIN:
+        if W_PF_LINES > 0:  # our rows of W (weights) pulled into L2 before the wait
+            _prefetch_w(src_ptr, row0, n_rows, k_lo, k_hi, stride_wn, BLOCK_N, W_PF_LINES, W_PER_LINE)
+        if WAIT_FIRST:
+            tl.extra.cuda.gdc_wait()
+        if TRIGGER_AFTER_WAIT:  # our dependent may read what the kernel before us wrote before its own wait
             tl.extra.cuda.gdc_launch_dependents()
     acc = _k_loop(x_ptr, src_ptr, row0, n_rows, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, b1_ptr, b2_ptr,
                   stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_K,

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from loraserve.lora.ops.triton import row_delta
-from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of, plus_delta, shrunk_row
+from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of, plus, plus_delta, shrunk_row
 from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, power_of_two_env, tl_dtype
 
 # Elements of a norm's row a warp holds. Every norm kernel (plain, with a pending LoRA delta, with a shrink:
@@ -243,25 +243,16 @@ def _rotate_half(x1, x2, c, s):
 @triton.jit
 def _rotate_row(x_row, o_row, c, s, offs, mask, HALF, D, REST_BLOCK: tl.constexpr, d1, d2, d_rest):
     """Rotate one head at x_row (rotary dims [0, 2*HALF)) into o_row; dims [2*HALF, D) copied. d1, d2, d_rest
-    (fp32, or None): a LoRA delta added to the head's halves and rest first (``_plus``)."""
-    x1 = _plus(tl.load(x_row + offs, mask=mask, other=0.0), d1)
-    x2 = _plus(tl.load(x_row + HALF + offs, mask=mask, other=0.0), d2)
+    (fp32, or None): a LoRA delta added to the head's halves and rest first (``row_delta.plus``)."""
+    x1 = plus(tl.load(x_row + offs, mask=mask, other=0.0), d1)
+    x2 = plus(tl.load(x_row + HALF + offs, mask=mask, other=0.0), d2)
     o1, o2 = _rotate_half(x1, x2, c, s)
     tl.store(o_row + offs, o1, mask=mask)
     tl.store(o_row + HALF + offs, o2, mask=mask)
     if REST_BLOCK > 0:
         r = 2 * HALF + tl.arange(0, REST_BLOCK)
         rmask = r < D
-        tl.store(o_row + r, _plus(tl.load(x_row + r, mask=rmask, other=0.0), d_rest), mask=rmask)
-
-
-@triton.jit
-def _plus(x, d):
-    """x + d rounded once to x's dtype (PEFT's order: the base output rounded, the LoRA delta added in fp32);
-    x itself where d is None."""
-    if d is not None:
-        x = (x.to(tl.float32) + d).to(x.dtype)
-    return x
+        tl.store(o_row + r, plus(tl.load(x_row + r, mask=rmask, other=0.0), d_rest), mask=rmask)
 
 
 @triton.jit
@@ -379,7 +370,7 @@ def _rotary_kv_cache_kernel(
             k_ptr + t * stride_kt + kh * stride_kh, k_cache_ptr + cache_slot * stride_cs + kh * stride_ch,
             c, s, offs, mask, HALF, D, REST_BLOCK, d1, d2, d_rest,
         )  # fmt: skip
-        v = _plus(tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=dmask, other=0.0), dv)
+        v = plus(tl.load(v_ptr + t * stride_vt + kh * stride_vh + d, mask=dmask, other=0.0), dv)
         tl.store(v_cache_ptr + cache_slot * stride_cs + kh * stride_ch + d, v, mask=dmask)
 
 

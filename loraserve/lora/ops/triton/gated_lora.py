@@ -63,9 +63,10 @@ MAX_TOKENS = 32  # one tile of tokens; a decode step's batch (decode_linear.MAX_
 MAX_SHRINK_ROWS = 256  # rows of (slot, rank) of down's A tile a program holds (shrink_supports): 8 slots of rank 16 take 128
 # Columns of each half a program owns (the --gated sweep's fastest; silu_and_mul_lora). LORASERVE_GATED_BLOCK_N=128:
 # half the programs (Qwen2.5-0.5B: 38 instead of 76), so that with gate_up's GEMM in one wave on 76 SMs
-# (triton_decode_linear.ONE_WAVE) every program fits on an SM the GEMM leaves free and starts before the GEMM ends; at
-# 64 the 20 left over start only as the GEMM's programs end (session 27's trace: this launch ends 3.7-4.0 µs after the
-# GEMM, the plain SiLU-and-mul 1.1). Untimed
+# (triton_decode_linear.ONE_WAVE) every program can fit on an SM the GEMM leaves free and start before the GEMM ends.
+# The reading it rests on, from registers (227 a thread at 64 columns: an SM a program) and session 27's trace (this
+# launch ends 3.7-4.0 µs after the GEMM, the plain SiLU-and-mul 1.1), not measured directly: at 64 the 20 programs
+# past the 56 free SMs start only as the GEMM's programs end. Untimed
 DEFAULT_BLOCK_N = power_of_two_env("LORASERVE_GATED_BLOCK_N", 64, 16, 256)
 
 

@@ -203,9 +203,18 @@ def delta_of(bt, s):
 
 
 @triton.jit
+def plus(x, d):
+    """x + d rounded once to x's dtype (PEFT's order: the base output rounded, the LoRA delta added in fp32);
+    x itself where d is None."""
+    if d is not None:
+        x = (x.to(tl.float32) + d).to(x.dtype)
+    return x
+
+
+@triton.jit
 def plus_delta(x, bt, slot, d_buf_ptr, row, stride_dsp, stride_dsm, stride_dss, D_P, D_R, D_BLOCK_R: tl.constexpr,
                D_RED: tl.constexpr, D_CDT: tl.constexpr):  # fmt: skip
     """x (the row, its storage dtype) + B[slot] s[row], rounded once to x's dtype (PEFT's order: the base output
     rounded, the delta added in fp32). s from ``shrunk_row``; bt from ``delta_b_tile``. A base token adds zero."""
     s = shrunk_row(slot, d_buf_ptr, row, stride_dsp, stride_dsm, stride_dss, D_P, D_R, D_BLOCK_R, D_RED, D_CDT)
-    return (x.to(tl.float32) + delta_of(bt, s)).to(x.dtype)
+    return plus(x, delta_of(bt, s))
