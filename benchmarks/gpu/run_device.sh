@@ -79,6 +79,8 @@
 #                                               the norms' weight before their wait, the GEMMs' W pulled into L2 before theirs
 #                                               (bench_e2e: all but the second); bn27: the
 #                                               128 columns only, without every GPU test and bench_e2e
+#   bash benchmarks/gpu/run_device.sh conf28    # conf27 in the order that matters when a call is cut short (every GPU test,
+#                                               the step traces, the knobs' tests, bench_e2e of the defaults and of the three)
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -373,6 +375,14 @@ for stage in "$@"; do
             (export $g LORASERVE_GATED_EARLY_DELTA=1 $w $p; new_tests 120 -n 4 tests/gpu/test_gated_lora.py tests/gpu/test_norm_shrink.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_triton_elementwise.py tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py)
             trace_per_setting 60 qwen2.5-0.5b "" "$g" "$g LORASERVE_GATED_EARLY_DELTA=1" "$w" "$p"
             e2e_per_setting 80 qwen2.5-0.5b "" "$g LORASERVE_GATED_EARLY_DELTA=1" "$w" "$p"
+            ;;
+        conf28)  # conf27 in the order of what matters when a call is cut short: every GPU test at the defaults, the
+            # step traces, the knobs' tests, bench_e2e of the defaults and of the three together
+            [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || gpu_tests 150
+            g=LORASERVE_GATED_BLOCK_N=128 w=LORASERVE_NORM_WEIGHT_EARLY=1 p=LORASERVE_DECODE_W_PREFETCH=1
+            trace_per_setting 60 qwen2.5-0.5b "" "$g" "$w" "$p" "$g $w $p"
+            (export $g LORASERVE_GATED_EARLY_DELTA=1 $w $p; new_tests 120 -n 4 tests/gpu/test_gated_lora.py tests/gpu/test_norm_shrink.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_triton_elementwise.py tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py)
+            e2e_per_setting 80 qwen2.5-0.5b "" "$g $w $p"
             ;;
         bn27)  # conf27 without every GPU test and bench_e2e (the end of session 27's device time)
             g=LORASERVE_GATED_BLOCK_N=128
