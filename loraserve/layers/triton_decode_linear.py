@@ -178,12 +178,15 @@ MAX_TOKENS = 32  # the largest batch this kernel serves (a decode step's tokens;
 # rotary launch and the norms on twice the warps): faster for the base step and the 8-adapter step alike, graph
 # replay base 1.05 -> 1.01 ms and 8 adapters 1.26 -> 1.24 (step_trace 1.004 -> 0.969 and 1.217 -> 1.198): on by default
 ONE_WAVE = os.environ.get("LORASERVE_DECODE_ONE_WAVE", "1") != "0"
-# Knob (a module attribute; LORASERVE_DECODE_W_PREFETCH=1; untimed, off): a GEMM that is an ordinary link of the PDL
+# A module attribute (LORASERVE_DECODE_W_PREFETCH=0 turns it off): a GEMM that is an ordinary link of the PDL
 # chain (it waits for the kernel before it before its K loop) first asks L2 for its rows of W over its K range, a
 # prefetch per 128-byte line (weights: nothing in the chain writes them), so that after the wait its K loop meets
 # L2's latency, not DRAM's. Why: a link launches while the kernel before it runs (a norm, the attention, the
-# SiLU-and-mul: a few µs), and its programs sit idle until that kernel ends
-W_PREFETCH = os.environ.get("LORASERVE_DECODE_W_PREFETCH", "0") == "1"
+# SiLU-and-mul: a few µs), and its programs sit idle until that kernel ends. Measured (session 28, H100, Qwen2.5-0.5B,
+# 32 tokens, 8 adapters, CUDA graphs, step_trace): 8 adapters 1.195 -> 1.172 ms, base 0.967 -> 0.979 (alone); with
+# the norms' weight before their wait (triton_elementwise.NORM_WEIGHT_EARLY) both faster, 0.961 and 1.140 (the
+# defaults then: 0.966 and 1.209): on by default since. Llama-8B's GEMMs pass the size cap below: unchanged
+W_PREFETCH = os.environ.get("LORASERVE_DECODE_W_PREFETCH", "1") != "0"
 # ... for a W of at most this many bytes: the resident programs pull all of their rows at once, which must fit in L2
 # beside what the step's other kernels keep there (the H100's and H200's L2: 50 MB; Qwen2.5-0.5B's gate/up 17 MB,
 # Llama-8B's qkv 50 MB)

@@ -291,12 +291,12 @@ def test_power_of_two_env_names_the_knob_and_the_fix(monkeypatch):
 
 
 def test_w_prefetch_lines_cover_the_k_range_within_its_bounds(monkeypatch):
-    """W_PREFETCH's lines: off by default and under the interpreter, none past the size cap, at most 32 a row."""
+    """W_PREFETCH's lines: none where it is off and under the interpreter, none past the size cap, at most 32 a row."""
     from loraserve.layers import triton_decode_linear as dl
 
     w = torch.empty(1152, 896, dtype=torch.bfloat16)
     monkeypatch.setattr(dl, "W_PREFETCH", False)
-    assert dl.w_prefetch_lines(w, 0, 896) == 0, "off by default"
+    assert dl.w_prefetch_lines(w, 0, 896) == 0, "off"
     monkeypatch.setattr(dl, "W_PREFETCH", True)
     monkeypatch.setattr(dl, "interpreted", lambda: False)
     assert dl.w_prefetch_lines(w, 0, 896) == 16, "896 bf16 = 14 lines of 128 bytes, rounded up to 16"
