@@ -11,6 +11,7 @@ installed (the CPU machine too); nothing here is timed.
     python benchmarks/gpu/kernel_resources.py --norm-delta    # the norms with a pending LoRA delta (row_delta.py)
     python benchmarks/gpu/kernel_resources.py --gemm-shrink   # decode_linear with the shrink's column blocks (shrink_into)
     python benchmarks/gpu/kernel_resources.py --early         # the deltas computed before a PDL wait (gated, rotary)
+    python benchmarks/gpu/kernel_resources.py --beside        # whether a gated SiLU-and-mul program fits beside gate/up's
 """
 
 from __future__ import annotations
@@ -213,11 +214,52 @@ def early_resources() -> None:
             print(f"| rotary_kv_cache | {name} | {warps} | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
 
 
+def program_footprint(kernel, num_warps: int) -> tuple[int, int]:
+    """(registers, shared bytes) one program of ``kernel`` holds on an SM: registers allocated 8 a thread at a time,
+    the 1 KB the SM reserves a program counted with its shared memory."""
+    regs, _ = registers_and_stack(kernel)
+    return (regs + 7) // 8 * 8 * 32 * num_warps, kernel.metadata.shared + RESERVED
+
+
+def beside_resources() -> None:
+    """Whether a program of the gated SiLU-and-mul (``gated_lora``; Qwen2.5-0.5B, 32 tokens, fp16 B, 8 slots of rank 16)
+    fits on an SM beside a program of gate/up's one-wave GEMM (K 896, 2 x 4864 rows of 128, one an SM), by registers
+    and shared memory. Where it does not, the launch's programs past the SMs the GEMM leaves free (132 - 76) start only
+    as the GEMM's end: the reading of session 27's trace, which ``LORASERVE_GATED_BLOCK_N=128`` (38 programs) tested."""
+    from loraserve.lora.ops.triton import gated_lora
+
+    dl.sm_count = lambda *args: 132  # the H100 SXM's and H200's SMs: the one-wave tiles without a device
+    gemm, tiles = compile_op(896, (4864, 4864), None, 0)
+    g_regs, g_smem = program_footprint(gemm, tiles.num_warps)
+    print(f"gate/up's GEMM: {tiles}, a program {g_regs} registers, {g_smem // 1024} KB shared; left beside it:"
+          f" {SM_REGS - g_regs} registers, {(SM_SMEM - g_smem) // 1024} KB")
+    print("| gated block_n | warps | register cap | registers a thread | spill bytes | shared KB | programs | fits beside |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    g_ptrs = dict(y_ptr="*bf16", out_ptr="*bf16", buf_ptr="*fp32", bg_ptr="*fp16", bu_ptr="*fp16", slots_ptr="*i32",
+                  da_ptr="*bf16", drank_ptr="*i32", dbuf_ptr="*bf16", ws_ptr="*bf16", cnt_ptr="*i32")  # fmt: skip
+    for block_n, warps, cap in ((64, 8, 0), (128, 8, 0), (64, 8, 192), (64, 4, 0), (32, 4, 0)):
+        consts = dict(R=16, BLOCK_M=32, BLOCK_N=block_n, BLOCK_R=16, SLOTS_PER_CHUNK=8, RED=1, LORA_CDT=tl.float32,
+                      LORA_IEEE=False, PDL_CHAIN=True, S_READY=False, SHRINK=False, RA=16, BLOCK_RA=16,
+                      A_SLOTS_PER_CHUNK=1, RED_GROUP=1)  # fmt: skip
+        options = dict(num_warps=warps, **({"maxnreg": cap} if cap else {}))
+        k = compile_as_launched(gated_lora._silu_and_mul_lora_kernel, g_ptrs, consts,
+                                {"D", "stride_ym", "stride_om", "stride_bsp", "stride_bi", "stride_bm", "stride_wsg", "stride_wsu"},
+                                options)  # fmt: skip
+        regs, stack = registers_and_stack(k)
+        p_regs, p_smem = program_footprint(k, warps)
+        fits = p_regs <= SM_REGS - g_regs and p_smem <= SM_SMEM - g_smem
+        print(f"| {block_n} | {warps} | {cap or '-'} | {regs} | {stack} | {k.metadata.shared // 1024} |"
+              f" {triton.cdiv(4864, block_n)} | {'yes' if fits else 'no'} |", flush=True)
+
+
 def main() -> None:
     import sys
 
     if "--early" in sys.argv:
         early_resources()
+        return
+    if "--beside" in sys.argv:
+        beside_resources()
         return
 
     if "--gemm-shrink" in sys.argv:

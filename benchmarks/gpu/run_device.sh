@@ -81,6 +81,10 @@
 #                                               128 columns only, without every GPU test and bench_e2e
 #   bash benchmarks/gpu/run_device.sh conf28    # conf27 in the order that matters when a call is cut short (every GPU test,
 #                                               the step traces, the knobs' tests, bench_e2e of the defaults and of the three)
+#   bash benchmarks/gpu/run_device.sh conf29    # every GPU test at session 28's defaults; step_trace Qwen-0.5B: the defaults, the
+#                                               gated SiLU-and-mul under a register cap of 192 (and with its early delta);
+#                                               Llama-8B: the defaults, the norms' weight after their wait; bench_e2e Qwen
+#                                               of the defaults and the cap
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -383,6 +387,14 @@ for stage in "$@"; do
             trace_per_setting 60 qwen2.5-0.5b "" "$g" "$w" "$p" "$g $w $p"
             (export $g LORASERVE_GATED_EARLY_DELTA=1 $w $p; new_tests 120 -n 4 tests/gpu/test_gated_lora.py tests/gpu/test_norm_shrink.py tests/gpu/test_fused_decoder_path.py tests/gpu/test_triton_elementwise.py tests/gpu/test_row_delta.py tests/gpu/test_decode_linear.py)
             e2e_per_setting 80 qwen2.5-0.5b "" "$g $w $p"
+            ;;
+        conf29)
+            [ -n "${SKIP_ALL_GPU_TESTS:-}" ] || gpu_tests 150
+            c=LORASERVE_GATED_MAXNREG=192
+            trace_per_setting 60 qwen2.5-0.5b "" "$c" "$c LORASERVE_GATED_EARLY_DELTA=1"
+            (export $c; new_tests 60 -n 4 tests/gpu/test_gated_lora.py tests/gpu/test_fused_decoder_path.py)
+            trace_per_setting 120 llama-3.1-8b "" "LORASERVE_NORM_WEIGHT_EARLY=0"
+            e2e_per_setting 80 qwen2.5-0.5b "" "$c"
             ;;
         bn27)  # conf27 without every GPU test and bench_e2e (the end of session 27's device time)
             g=LORASERVE_GATED_BLOCK_N=128

@@ -290,6 +290,20 @@ def test_power_of_two_env_names_the_knob_and_the_fix(monkeypatch):
             power_of_two_env("LORASERVE_TEST_KNOB", 64, 16, 256)
 
 
+def test_register_cap_env_names_the_knob_and_the_fix(monkeypatch):
+    from loraserve.lora.ops.triton.utils import register_cap_env
+
+    monkeypatch.delenv("LORASERVE_TEST_CAP", raising=False)
+    assert register_cap_env("LORASERVE_TEST_CAP") == 0, "unset: no cap"
+    for good in ("0", "192", "24", "248"):
+        monkeypatch.setenv("LORASERVE_TEST_CAP", good)
+        assert register_cap_env("LORASERVE_TEST_CAP") == int(good)
+    for bad in ("190", "16", "256", "x", "-8", ""):
+        monkeypatch.setenv("LORASERVE_TEST_CAP", bad)
+        with pytest.raises(ValueError, match="LORASERVE_TEST_CAP=.*multiple of 8 from 24 to 255"):
+            register_cap_env("LORASERVE_TEST_CAP")
+
+
 def test_w_prefetch_lines_cover_the_k_range_within_its_bounds(monkeypatch):
     """W_PREFETCH's lines: none where it is off and under the interpreter, none past the size cap, at most 32 a row."""
     from loraserve.layers import triton_decode_linear as dl

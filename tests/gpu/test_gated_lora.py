@@ -112,6 +112,34 @@ def test_silu_and_mul_lora_equals_the_epilogue_path():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("xdt, wdt", [(torch.float16, torch.float32), (torch.bfloat16, torch.float16)], ids=["fp32-B", "fp16-B"])
+def test_a_register_cap_gives_the_same_bits(xdt, wdt, monkeypatch):
+    """LORASERVE_GATED_MAXNREG: the launch under a register cap (192, spilling a little on sm_90) computes the same
+    numbers as without it, bit for bit (only where values live changes). Under the interpreter the cap is dropped."""
+    from loraserve.lora.ops.triton import gated_lora
+
+    skip_interpreted_bf16(xdt, wdt)
+    g = torch.Generator().manual_seed(29)
+    M, K, D, S, R = 32, 256, 256, 8, 16
+    ranks = [16, 8, 16, 4, 16, 12, 16, 2]
+    x = torch.randn(M, K, generator=g).to(DEV, xdt)
+    w = (torch.randn(2 * D, K, generator=g) * 0.05).to(DEV, xdt)
+    As, Bs = lora_stacks(g, S, R, K, (D, D), ranks, wdt)
+    slots = [-1 if t % 5 == 4 else t % S for t in range(M)]
+    mapping = LoRAMapping.build(slots, slots, DEV)
+    meta = mapping.token_meta or SegmentMeta.build(
+        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
+    )
+    buf = lora_shrink(x, As, meta, torch.tensor(ranks, dtype=torch.int32, device=DEV), R, zero_fill=True)
+    y = decode_linear(x, w)
+    got = {}
+    for cap in (0, 192):
+        monkeypatch.setattr(gated_lora, "MAX_REGISTERS", cap)
+        got[cap] = silu_and_mul_lora(y, buf, Bs, mapping.token_slots, block_n=64, num_warps=8)
+    assert torch.equal(got[0], got[192]), "the register cap changed the numbers"
+    assert not torch.equal(got[192], silu_and_mul(y)), "the delta is applied"
+
+
 def test_silu_and_mul_lora_refuses_shapes_that_do_not_fit():
     x = torch.zeros(4, 64, dtype=torch.float16, device=DEV)
     buf = torch.zeros(1, 2, 4, 16, device=DEV)

@@ -44,6 +44,7 @@ from loraserve.lora.ops.triton.utils import (
     pdl_chain,
     persistent_buffer,
     power_of_two_env,
+    register_cap_env,
     sum_planes,
     tl_dtype,
 )
@@ -70,6 +71,14 @@ MAX_SHRINK_ROWS = 256  # rows of (slot, rank) of down's A tile a program holds (
 # adapters, step_trace): 8 adapters 1.195 -> 1.201 ms alone; 1.140 -> 1.143 with the norms' early weight and the W
 # prefetch: opt-in
 DEFAULT_BLOCK_N = power_of_two_env("LORASERVE_GATED_BLOCK_N", 64, 16, 256)
+# A register cap a thread for this launch (a module attribute; LORASERVE_GATED_MAXNREG=192; untimed, off). Why: at 64
+# columns on 8 warps a program takes 227 registers a thread (58 K of the SM's 64 K), and a program of gate_up's
+# one-wave GEMM leaves 48 K (and 67 KB of shared memory) beside it, so no program of this launch fits on an SM that
+# holds one of the GEMM's: past the 56 SMs the GEMM leaves free, they start only as the GEMM ends. At 192 (16 bytes
+# of spill) one fits beside each (``kernel_resources.py --beside``, compiled for sm_90 on the CPU). 128 columns, the
+# other way to that end (38 programs), measured no faster (session 28); this keeps 76 programs and their short
+# after-wait path. The same numbers either way (its test)
+MAX_REGISTERS = register_cap_env("LORASERVE_GATED_MAXNREG")
 
 
 @triton.jit(do_not_specialize=["M", "S", "SPLIT_K"])
@@ -335,5 +344,6 @@ def silu_and_mul_lora(
         SLOTS_PER_CHUNK=slots_per_chunk(S, block_r), RED=min(triton.next_power_of_2(P), 16),
         LORA_CDT=tl_dtype(lcdt), LORA_IEEE=lcdt == torch.float32 and y.dtype == torch.float32,
         PDL_CHAIN=chain, S_READY=s_ready, num_warps=num_warps, launch_pdl=chain, **shrink_kw,
+        **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS else {}),
     )  # fmt: skip
     return out if down is None else (out, dbuf)

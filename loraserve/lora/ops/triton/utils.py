@@ -24,6 +24,16 @@ def power_of_two_env(name: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
+def register_cap_env(name: str) -> int:
+    """A register cap a thread (Triton's ``maxnreg`` launch option) from the environment: 0 where unset (no cap),
+    else a multiple of 8 from 24 to 255, or a ValueError that names the knob and the fix (read at import)."""
+    raw = os.environ.get(name, "0")
+    value = int(raw) if raw.strip().isdigit() else -1
+    if value != 0 and not (24 <= value <= 255 and value % 8 == 0):
+        raise ValueError(f"{name}={raw!r}: give a multiple of 8 from 24 to 255 registers a thread, or unset it for no cap")
+    return value
+
+
 def tl_dtype(dtype: torch.dtype):
     if dtype not in _TL:
         raise TypeError(f"LoRA kernels take float32, bfloat16 or float16 tensors, got {dtype}")
