@@ -66,8 +66,9 @@ def norm_warps(block: int) -> int:
 # The norm kernels load their weight before their PDL wait (a weight: nothing in the chain writes it), where after
 # the wait it was loaded once the variance's sum was done, a round trip to memory on the path between the kernel
 # before and the one after. The same numbers either way. Measured (session 28, H100, Qwen2.5-0.5B, 32 tokens, 8 adapters,
-# CUDA graphs, step_trace): base 0.967 -> 0.952 ms, 8 adapters 1.195 -> 1.184; with the W prefetch below, 0.961 and
-# 1.140 (the defaults then: 0.966 and 1.209): on by default since (LORASERVE_NORM_WEIGHT_EARLY=0 turns it off)
+# CUDA graphs, step_trace): base 0.967 -> 0.952 ms, 8 adapters 1.195 -> 1.184; with the decode GEMMs' W prefetch
+# (triton_decode_linear.W_PREFETCH), 0.961 and 1.140 (the defaults then: 0.966 and 1.209): on by default since
+# (LORASERVE_NORM_WEIGHT_EARLY=0 turns it off)
 NORM_WEIGHT_EARLY = os.environ.get("LORASERVE_NORM_WEIGHT_EARLY", "1") != "0"
 
 
