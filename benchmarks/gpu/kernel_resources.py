@@ -115,7 +115,7 @@ def norm_shrink_resources() -> None:
                       W_EARLY=tew.NORM_WEIGHT_EARLY, HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)
         # K and its multiples (stride_ar is K) are multiples of 16 at these shapes
         sixteens = {"N", "stride_x", "stride_r", "stride_o", "stride_ro", "stride_as", "stride_ar", "stride_bi", "stride_bm"}
-        warps = ns.num_warps(block)
+        warps = tew.norm_warps(block)
         k = compile_as_launched(fn, ptrs, consts, sixteens, dict(num_warps=warps))
         regs, stack = registers_and_stack(k)
         print(f"| {K} | {adt[1:]} | {warps} | {ns.BLOCK_R} | {regs} | {stack} |", flush=True)
@@ -146,7 +146,7 @@ def norm_delta_resources() -> None:
                       W_EARLY=tew.NORM_WEIGHT_EARLY)),
             ]  # fmt: skip
             for name, fn, ptrs, consts in kernels:
-                for warps in (ns.num_warps(block), 2 * ns.num_warps(block)):
+                for warps in (tew.norm_warps(block), 2 * tew.norm_warps(block)):
                     k = compile_as_launched(fn, {**ptrs, **delta_ptrs}, {**consts, **d_consts}, set(), dict(num_warps=warps))
                     regs, stack = registers_and_stack(k)
                     print(f"| {name} | {K} | {'yes' if has_delta else 'no'} | {warps} | {regs} | {stack} |", flush=True)
@@ -162,6 +162,21 @@ def gemm_shrink_resources() -> None:
             k, _ = compile_op(K, (N,), None, 0, shrink=shrink)
             regs, stack = registers_and_stack(k)
             print(f"| {name} | {'yes' if shrink else 'no'} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} |", flush=True)
+
+
+def compile_gated(block_n: int, num_warps: int, maxnreg: int = 0, s_ready: bool = False):
+    """The gated SiLU-and-mul (``gated_lora``) as launched for Qwen2.5-0.5B's gate_up: 32 tokens, bf16 y, fp16 B (tf32
+    products), 8 slots of rank 16, a link of the PDL chain, without down's shrink; ``maxnreg``: a register cap (0: none)."""
+    from loraserve.lora.ops.triton import gated_lora
+
+    ptrs = dict(y_ptr="*bf16", out_ptr="*bf16", buf_ptr="*fp32", bg_ptr="*fp16", bu_ptr="*fp16", slots_ptr="*i32",
+                da_ptr="*bf16", drank_ptr="*i32", dbuf_ptr="*bf16", ws_ptr="*bf16", cnt_ptr="*i32")  # fmt: skip
+    consts = dict(R=16, BLOCK_M=32, BLOCK_N=block_n, BLOCK_R=16, SLOTS_PER_CHUNK=8, RED=1, LORA_CDT=tl.float32,
+                  LORA_IEEE=False, PDL_CHAIN=True, S_READY=s_ready, SHRINK=False, RA=16, BLOCK_RA=16, A_SLOTS_PER_CHUNK=1,
+                  RED_GROUP=1)  # fmt: skip
+    sixteens = {"D", "stride_ym", "stride_om", "stride_bsp", "stride_bi", "stride_bm", "stride_wsg", "stride_wsu"}
+    options = dict(num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+    return compile_as_launched(gated_lora._silu_and_mul_lora_kernel, ptrs, consts, sixteens, options)
 
 
 def early_resources() -> None:
@@ -189,15 +204,8 @@ def early_resources() -> None:
         k = compile_as_launched(fn, ptrs, {**base, "TRIGGER_AFTER_WAIT": trigger}, SIXTEENS, opts)
         name = "trigger after wait" if trigger else "trigger first (the chain's default)"
         print(f"| decode_linear qkv | {name} | {tiles.num_warps} | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
-    g_ptrs = dict(y_ptr="*bf16", out_ptr="*bf16", buf_ptr="*fp32", bg_ptr="*fp16", bu_ptr="*fp16", slots_ptr="*i32",
-                  da_ptr="*bf16", drank_ptr="*i32", dbuf_ptr="*bf16", ws_ptr="*bf16", cnt_ptr="*i32")  # fmt: skip
-    g_consts = dict(R=16, BLOCK_M=32, BLOCK_N=gated_lora.DEFAULT_BLOCK_N, BLOCK_R=16, SLOTS_PER_CHUNK=8, RED=1,
-                    LORA_CDT=tl.float32, LORA_IEEE=False, PDL_CHAIN=True, SHRINK=False, RA=16, BLOCK_RA=16,
-                    A_SLOTS_PER_CHUNK=1, RED_GROUP=1)  # fmt: skip
     for ready in (False, True):
-        k = compile_as_launched(gated_lora._silu_and_mul_lora_kernel, g_ptrs, {**g_consts, "S_READY": ready},
-                                {"D", "stride_ym", "stride_om", "stride_bsp", "stride_bi", "stride_bm", "stride_wsg", "stride_wsu"},
-                                dict(num_warps=8))  # fmt: skip
+        k = compile_gated(gated_lora.DEFAULT_BLOCK_N, 8, s_ready=ready)
         name = "s ready: the delta before the wait" if ready else "s after the wait"
         print(f"| silu_and_mul_lora | {name} | 8 | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
     r_ptrs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr", "cos_ptr", "sin_ptr"), "*bf16"),
@@ -226,8 +234,6 @@ def beside_resources() -> None:
     fits on an SM beside a program of gate/up's one-wave GEMM (K 896, 2 x 4864 rows of 128, one an SM), by registers
     and shared memory. Where it does not, the launch's programs past the SMs the GEMM leaves free (132 - 76) start only
     as the GEMM's end: the reading of session 27's trace, which ``LORASERVE_GATED_BLOCK_N=128`` (38 programs) tested."""
-    from loraserve.lora.ops.triton import gated_lora
-
     dl.sm_count = lambda *args: 132  # the H100 SXM's and H200's SMs: the one-wave tiles without a device
     gemm, tiles = compile_op(896, (4864, 4864), None, 0)
     g_regs, g_smem = program_footprint(gemm, tiles.num_warps)
@@ -235,16 +241,8 @@ def beside_resources() -> None:
           f" {SM_REGS - g_regs} registers, {(SM_SMEM - g_smem) // 1024} KB")
     print("| gated block_n | warps | register cap | registers a thread | spill bytes | shared KB | programs | fits beside |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    g_ptrs = dict(y_ptr="*bf16", out_ptr="*bf16", buf_ptr="*fp32", bg_ptr="*fp16", bu_ptr="*fp16", slots_ptr="*i32",
-                  da_ptr="*bf16", drank_ptr="*i32", dbuf_ptr="*bf16", ws_ptr="*bf16", cnt_ptr="*i32")  # fmt: skip
     for block_n, warps, cap in ((64, 8, 0), (128, 8, 0), (64, 8, 192), (64, 4, 0), (32, 4, 0)):
-        consts = dict(R=16, BLOCK_M=32, BLOCK_N=block_n, BLOCK_R=16, SLOTS_PER_CHUNK=8, RED=1, LORA_CDT=tl.float32,
-                      LORA_IEEE=False, PDL_CHAIN=True, S_READY=False, SHRINK=False, RA=16, BLOCK_RA=16,
-                      A_SLOTS_PER_CHUNK=1, RED_GROUP=1)  # fmt: skip
-        options = dict(num_warps=warps, **({"maxnreg": cap} if cap else {}))
-        k = compile_as_launched(gated_lora._silu_and_mul_lora_kernel, g_ptrs, consts,
-                                {"D", "stride_ym", "stride_om", "stride_bsp", "stride_bi", "stride_bm", "stride_wsg", "stride_wsu"},
-                                options)  # fmt: skip
+        k = compile_gated(block_n, warps, cap)
         regs, stack = registers_and_stack(k)
         p_regs, p_smem = program_footprint(k, warps)
         fits = p_regs <= SM_REGS - g_regs and p_smem <= SM_SMEM - g_smem

@@ -14,9 +14,8 @@ DEV = triton_device()
 
 from loraserve.layers.triton_attention import paged_attention, shrink_supports  # noqa: E402
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink  # noqa: E402
-from loraserve.lora.punica import LoRAMapping, SegmentMeta  # noqa: E402
 from tests.gpu.attention_batches import make_batch  # noqa: E402
-from tests.gpu.test_decode_linear import lora_stacks  # noqa: E402
+from tests.gpu.test_decode_linear import lora_stacks, mapping_of  # noqa: E402
 
 # NOTE: the interpreter running the attention kernel warns on numpy scalar conversions (its own code)
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -49,10 +48,7 @@ def test_decode_attention_computes_os_shrink(case):
     ranks[0] = R
     (A,), _ = lora_stacks(g, S, R, H * D, (16,), ranks, dtype)
     slots = [-1 if t % 3 == 2 else t % S for t in range(T)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
+    mapping, meta = mapping_of(slots)
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
     assert shrink_supports(q, KV, md, A)
     out, obuf = paged_attention(q, k_cache, v_cache, md, D**-0.5, None, shrink=(A, rank_dev, mapping.token_slots))

@@ -49,6 +49,15 @@ def lora_stacks(g, S, R, K, outs, ranks, dtype):
     return tuple(As), tuple(Bs)
 
 
+def mapping_of(slots: list[int]) -> tuple[LoRAMapping, SegmentMeta]:
+    """The batch's mapping for these token slots (-1 = base), and the shrink's segment meta of it."""
+    mapping = LoRAMapping.build(slots, slots, DEV)
+    meta = mapping.token_meta or SegmentMeta.build(
+        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
+    )
+    return mapping, meta
+
+
 CASES = [
     # M, K, slice outs, S, R, x dtype, LoRA dtype, tiles
     (32, 512, (512, 128, 128), 8, 16, torch.bfloat16, torch.float32, DecodeTiles(64, 128, 4, 3)),
@@ -103,10 +112,7 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces, m
     As, Bs = lora_stacks(g, S, R, K, outs, ranks, wdt)
     # every other token on the base model, and slot S - 1 absent from the batch
     slots = [-1 if t % 3 == 2 else t % max(S - 1, 1) for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
+    mapping, meta = mapping_of(slots)
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
     assert supports(x, w, outs, tiles) == (xdt != torch.float32)
 
@@ -159,10 +165,7 @@ def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K, columns, mo
     w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
     As, Bs = lora_stacks(g, S, R, K, outs, ranks, torch.float32)
     slots = [t % S if t < n_lora_tokens else -1 for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
+    mapping, meta = mapping_of(slots)
     ops = TritonLoRAOps(DEV)
     y = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
     assert y is not None, "decode sizes take the fused path"
@@ -193,10 +196,7 @@ def test_linear_with_lora_knobs_keep_the_numbers(K, fuse, ahead, monkeypatch):
     w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
     As, Bs = lora_stacks(g, S, R, K, outs, ranks, torch.float32)
     slots = [t % S if t < 9 else -1 for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
+    mapping, meta = mapping_of(slots)
     ops = TritonLoRAOps(DEV)
     y = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
     monkeypatch.setattr(shrink_mod, "DECODE_FUSE_SLICES", False)

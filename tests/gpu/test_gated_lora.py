@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.gpu.test_decode_linear import lora_stacks, rel_err
+from tests.gpu.test_decode_linear import lora_stacks, mapping_of, rel_err
 from tests.gpu.triton_device import skip_interpreted_bf16, triton_device
 
 DEV = triton_device()
@@ -25,7 +25,6 @@ from loraserve.lora.ops import torch_ops  # noqa: E402
 from loraserve.lora.ops.precision import compute_dtype  # noqa: E402
 from loraserve.lora.ops.triton.gated_lora import silu_and_mul_lora  # noqa: E402
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink  # noqa: E402
-from loraserve.lora.punica import LoRAMapping, SegmentMeta  # noqa: E402
 
 CASES = [
     # M, K, D (each half), S, R, x dtype, LoRA dtype, block_n
@@ -58,10 +57,7 @@ def test_silu_and_mul_lora_matches_reference(case, shrink_reduces, monkeypatch):
     w = (torch.randn(2 * D, K, generator=g) * 0.05).to(DEV, xdt)
     As, Bs = lora_stacks(g, S, R, K, (D, D), ranks, wdt)
     slots = [-1 if t % 3 == 2 else t % max(S - 1, 1) for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
+    mapping, meta = mapping_of(slots)
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
     buf = lora_shrink(x, As, meta, rank_dev, R, reduce=shrink_reduces, zero_fill=True)
     y = decode_linear(x, w)
@@ -101,10 +97,7 @@ def test_silu_and_mul_lora_equals_the_epilogue_path():
     w = (torch.randn(2 * D, K, generator=g) * 0.05).to(DEV, torch.float16)
     As, Bs = lora_stacks(g, S, R, K, (D, D), ranks, torch.float16)
     slots = [t % S for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
+    mapping, meta = mapping_of(slots)
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
     buf = lora_shrink(x, As, meta, rank_dev, R, zero_fill=True)
     ref = silu_and_mul(decode_linear(x, w, lora=ExpandEpilogue(buf, Bs, mapping.token_slots)))
@@ -126,10 +119,7 @@ def test_a_register_cap_gives_the_same_bits(xdt, wdt, monkeypatch):
     w = (torch.randn(2 * D, K, generator=g) * 0.05).to(DEV, xdt)
     As, Bs = lora_stacks(g, S, R, K, (D, D), ranks, wdt)
     slots = [-1 if t % 5 == 4 else t % S for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
+    mapping, meta = mapping_of(slots)
     buf = lora_shrink(x, As, meta, torch.tensor(ranks, dtype=torch.int32, device=DEV), R, zero_fill=True)
     y = decode_linear(x, w)
     got = {}
@@ -171,10 +161,7 @@ def test_ops_path_equals_linear_with_lora_then_silu_and_mul(n_lora_tokens, K, mo
     w = (torch.randn(2 * D, K, generator=g) * 0.05).to(DEV, torch.float16)
     As, Bs = lora_stacks(g, S, R, K, (D, D), ranks, torch.float32)
     slots = [t % S if t < n_lora_tokens else -1 for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
+    mapping, meta = mapping_of(slots)
     ops = TritonLoRAOps(DEV)
     out = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots, then_silu_and_mul=True)
     assert out is not None, "a small gate_up at decode sizes takes the gated path"
@@ -201,10 +188,7 @@ def test_ops_path_declines_where_the_gated_kernel_does_not_apply(monkeypatch):
     M, K, S, R = 8, 256, 2, 16
     x = torch.randn(M, K, generator=g).to(DEV, torch.float16)
     slots = [t % S for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
+    mapping, meta = mapping_of(slots)
     ops = TritonLoRAOps(DEV)
 
     def gated(outs, ranks):
@@ -252,10 +236,7 @@ def test_silu_and_mul_lora_computes_downs_shrink(case):
     _, Bs = lora_stacks(g, S, R, 8, (D, D), ranks, wdt)
     (Ad,), _ = lora_stacks(g, S, RA, D, (8,), down_ranks, wdt)
     slots = [-1 if t % 4 == 3 else t % S for t in range(M)]
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
+    mapping, meta = mapping_of(slots)
     buf = torch.randn(1, 2, M, R, generator=g).to(DEV)
     drank = torch.tensor(down_ranks, dtype=torch.int32, device=DEV)
     out, dbuf = silu_and_mul_lora(y, buf, Bs, mapping.token_slots, block_n=block_n, down=(Ad, drank))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.test_decode_linear import lora_stacks, rel_err
+from tests.gpu.test_decode_linear import lora_stacks, mapping_of, rel_err
 from tests.gpu.triton_device import triton_device
 
 DEV = triton_device()
@@ -38,14 +38,6 @@ CASES = [
     (9, 512, 3, 5, 48),  # three rank blocks, R not a power of two
     (3, 2304, 2, 3, 16),  # a row block of 4096 (16 warps on the GPU)
 ]
-
-
-def mapping_of(slots: list[int]):
-    mapping = LoRAMapping.build(slots, slots, DEV)
-    meta = mapping.token_meta or SegmentMeta.build(
-        mapping.token_order.cpu(), mapping.active_slots, mapping.seg_starts, mapping.seg_lens, DEV
-    )
-    return mapping, meta
 
 
 def random_case(T, K, n, S, R, xdt, adt, seed):

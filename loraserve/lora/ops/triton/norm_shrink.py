@@ -51,11 +51,6 @@ MAX_HIDDEN = 4096  # a row of A's tile per rank in registers: past this the sepa
 BLOCK_R = 16
 
 
-def num_warps(block: int) -> int:
-    """The norm kernels' warps for a row of ``block`` (triton_elementwise): the same layout, the same sums."""
-    return norm_warps(block)
-
-
 @triton.jit
 def _norm_shrink_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, a0_ptr, a1_ptr, a2_ptr, buf_ptr, slots_ptr, rank_ptr,
@@ -158,7 +153,7 @@ def norm_shrink(
             x.stride(0), res.stride(0), out.stride(0), r_out.stride(0), a0.stride(0), a0.stride(2),
             buf.stride(1), buf.stride(2), K, R, eps,
             HAS_RESIDUAL=residual is not None, NUM_RBLOCKS=n_rblocks, BLOCK=block, BLOCK_R=BLOCK_R,
-            PDL_CHAIN=chain, W_EARLY=triton_elementwise.NORM_WEIGHT_EARLY, num_warps=num_warps(block), launch_pdl=chain,
+            PDL_CHAIN=chain, W_EARLY=triton_elementwise.NORM_WEIGHT_EARLY, num_warps=norm_warps(block), launch_pdl=chain,
             **row_delta.kernel_args(delta, x),
         )  # fmt: skip
     return out, (r_out if residual is not None else None), buf

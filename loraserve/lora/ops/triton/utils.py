@@ -14,24 +14,27 @@ from loraserve.lora.ops import precision
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def power_of_two_env(name: str, default: int, lo: int, hi: int) -> int:
-    """An integer knob from the environment: a power of two from lo to hi (``default`` where unset), else a
-    ValueError that names the knob and the fix (read at import: a bad value must not surface as a compile error)."""
+def _int_env(name: str, default: int, valid, wanted: str, unset: str) -> int:
+    """An integer knob from the environment (``default`` where unset) that ``valid`` accepts, else a ValueError that
+    names the knob and the fix (read at import: a bad value must not surface as a compile error)."""
     raw = os.environ.get(name, str(default))
-    value = int(raw) if raw.strip().isdigit() else 0
-    if not (lo <= value <= hi and value & (value - 1) == 0):
-        raise ValueError(f"{name}={raw!r}: give a power of two from {lo} to {hi}, or unset it for the default {default}")
+    value = int(raw) if raw.strip().isdigit() else None
+    if value is None or not valid(value):
+        raise ValueError(f"{name}={raw!r}: give {wanted}, or unset it for {unset}")
     return value
+
+
+def power_of_two_env(name: str, default: int, lo: int, hi: int) -> int:
+    """A power of two from lo to hi (``_int_env``)."""
+    return _int_env(name, default, lambda v: lo <= v <= hi and v & (v - 1) == 0, f"a power of two from {lo} to {hi}",
+                    f"the default {default}")  # fmt: skip
 
 
 def register_cap_env(name: str) -> int:
-    """A register cap a thread (Triton's ``maxnreg`` launch option) from the environment: 0 where unset (no cap),
-    else a multiple of 8 from 24 to 255, or a ValueError that names the knob and the fix (read at import)."""
-    raw = os.environ.get(name, "0")
-    value = int(raw) if raw.strip().isdigit() else -1
-    if value != 0 and not (24 <= value <= 255 and value % 8 == 0):
-        raise ValueError(f"{name}={raw!r}: give a multiple of 8 from 24 to 255 registers a thread, or unset it for no cap")
-    return value
+    """A register cap a thread (Triton's ``maxnreg`` launch option): 0 where unset (no cap), else a multiple of 8 from
+    24 to 255 (``_int_env``)."""
+    return _int_env(name, 0, lambda v: v == 0 or (24 <= v <= 255 and v % 8 == 0),
+                    "a multiple of 8 from 24 to 255 registers a thread", "no cap")  # fmt: skip
 
 
 def tl_dtype(dtype: torch.dtype):
