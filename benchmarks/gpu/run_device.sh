@@ -85,6 +85,8 @@
 #                                               gated SiLU-and-mul under a register cap of 192 (and with its early delta);
 #                                               Llama-8B: the defaults, the norms' weight after their wait; bench_e2e Qwen
 #                                               of the defaults and the cap
+#   bash benchmarks/gpu/run_device.sh cp29      # step_trace Qwen-0.5B with its critical path table, the defaults (twice)
+#                                               and gate/up's delta in its GEMM; the raw kernel traces under $OUT
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -395,6 +397,15 @@ for stage in "$@"; do
             (export $c; new_tests 60 -n 4 tests/gpu/test_gated_lora.py tests/gpu/test_fused_decoder_path.py)
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_NORM_WEIGHT_EARLY=0"
             e2e_per_setting 80 qwen2.5-0.5b "" "$c"
+            ;;
+        cp29)  # the critical path of a Qwen layer, kernel by kernel, base vs 8 adapters; the raw traces come back
+            i=0
+            for k in "" "LORASERVE_GATED_LORA=0" ""; do
+                i=$((i + 1))
+                name=${i}_$(echo "${k:-default}" | tr ' =,' '___')
+                echo "### step_trace qwen2.5-0.5b: ${k:-default}" | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt"
+                env $k timeout 60 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt" | grep "graph replay"
+            done
             ;;
         bn27)  # conf27 without every GPU test and bench_e2e (the end of session 27's device time)
             g=LORASERVE_GATED_BLOCK_N=128

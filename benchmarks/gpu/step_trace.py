@@ -9,6 +9,9 @@ replays each once under the torch profiler (CUDA activity: the graph's kernels o
 - one middle layer's kernels in order: start after the layer's first kernel, duration, and the gap
   after the kernel before it (negative: they overlapped, as PDL dependents do);
 - per kernel name, µs per layer (sum of durations / layers), base and with LoRA;
+- each kernel's advance of the step's end (its end minus the latest end of the kernels before it, 0 when it
+  ends earlier; median over the middle layers, by position in the layer), base beside LoRA: the layer's
+  critical path, which sums to about its period, kernel by kernel;
 - each graph's replay time (triton do_bench, median: the GPU time of a step) and their ratio.
 
 The engine's knobs are environment variables read at import: run it once per setting, e.g.
@@ -67,7 +70,23 @@ def summarize(label: str, ks: list[tuple[str, float, float]], layers: int) -> di
     per_name: dict[str, float] = defaultdict(float)
     for name, a, b in ks:
         per_name[name[:60]] += (b - a) / layers
-    return dict(span=span, period=period, per_name=dict(per_name))
+    return dict(span=span, period=period, per_name=dict(per_name), advances=advances(ks, mid))
+
+
+def advances(ks: list[tuple[str, float, float]], starts: list[int]) -> list[tuple[str, float]]:
+    """Per position in a layer: (the kernel's name, the median over the layers from ``starts`` of how far
+    its end moved the latest end so far). A kernel that ends before an earlier one advanced nothing."""
+    frontier = [0.0] * len(ks)  # the latest end of ks[:i]
+    for i in range(1, len(ks)):
+        frontier[i] = max(frontier[i - 1], ks[i - 1][2])
+    per_pos: dict[int, list[float]] = defaultdict(list)
+    names: dict[int, str] = {}
+    for a, b in zip(starts, starts[1:]):
+        for j, i in enumerate(range(a, b)):
+            per_pos[j].append(max(0.0, ks[i][2] - frontier[i]))
+            names.setdefault(j, ks[i][0][:40])
+    n = min(len(v) for v in per_pos.values()) if per_pos else 0  # positions every layer has
+    return [(names[j], statistics.median(v)) for j, v in sorted(per_pos.items()) if len(v) == n]
 
 
 def trace_shape(shape: str, root: Path, out: Path, batch: int, lora_dtype: str, new_tokens: int = 8) -> None:
@@ -105,6 +124,16 @@ def trace_shape(shape: str, root: Path, out: Path, batch: int, lora_dtype: str, 
         print("|---|---:|---:|")
         for name in sorted(set(b["per_name"]) | set(m["per_name"]), key=lambda n: -m["per_name"].get(n, 0)):
             print(f"| {name} | {b['per_name'].get(name, 0):.2f} | {m['per_name'].get(name, 0):.2f} |")
+        print("\nCritical path of a middle layer: each kernel's advance of the latest end, µs (median over the layers)")
+        print("| # | base kernel | base µs | 8-adapter kernel | 8 adapters µs | difference |")
+        print("|---:|---|---:|---|---:|---:|")
+        ba, ma = b["advances"], m["advances"]
+        for j in range(max(len(ba), len(ma))):
+            bn, bv = ba[j] if j < len(ba) else ("", 0.0)
+            mn, mv = ma[j] if j < len(ma) else ("", 0.0)
+            print(f"| {j} | {bn} | {bv:.2f} | {mn} | {mv:.2f} | {mv - bv:+.2f} |")
+        print(f"| sum | | {sum(v for _, v in ba):.2f} | | {sum(v for _, v in ma):.2f} | "
+              f"{sum(v for _, v in ma) - sum(v for _, v in ba):+.2f} |")  # fmt: skip
     del llm
     torch.cuda.empty_cache()
 
