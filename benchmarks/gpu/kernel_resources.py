@@ -12,6 +12,7 @@ installed (the CPU machine too); nothing here is timed.
     python benchmarks/gpu/kernel_resources.py --gemm-shrink   # decode_linear with the shrink's column blocks (shrink_into)
     python benchmarks/gpu/kernel_resources.py --early         # the deltas computed before a PDL wait (gated, rotary)
     python benchmarks/gpu/kernel_resources.py --beside        # whether a gated SiLU-and-mul program fits beside gate/up's
+    python benchmarks/gpu/kernel_resources.py --attention     # the decode attention with and without the LoRA L2 prefetch
 """
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
     return compile_as_launched(dl._decode_linear_kernel, ptrs, consts, SIXTEENS, options), tiles
 
 
-def compile_as_launched(fn, ptrs: dict, consts: dict, sixteens: set, options: dict):
+def compile_as_launched(fn, ptrs: dict, consts: dict, sixteens: set, options: dict, floats: frozenset = frozenset({"eps"})):
     """``fn`` compiled for TARGET: pointer arguments typed by ``ptrs`` (16-byte aligned, as a launch
-    specializes tensors), constexprs from ``consts``, the other arguments i32 (fp32 for ``eps``), those in
-    ``sixteens`` marked multiples of 16 (as a launch specializes such sizes)."""
+    specializes tensors), constexprs from ``consts``, the other arguments i32 (fp32 for those in ``floats``), those
+    in ``sixteens`` marked multiples of 16 (as a launch specializes such sizes)."""
     sig, const, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:
@@ -82,7 +83,7 @@ def compile_as_launched(fn, ptrs: dict, consts: dict, sixteens: set, options: di
         elif fn.params[i].is_constexpr:
             sig[name], const[name] = "constexpr", consts[name]
         else:
-            sig[name] = "fp32" if name == "eps" else "i32"
+            sig[name] = "fp32" if name in floats else "i32"
             if name in sixteens:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET, options=options)
@@ -250,8 +251,36 @@ def beside_resources() -> None:
               f" {triton.cdiv(4864, block_n)} | {'yes' if fits else 'no'} |", flush=True)
 
 
+def attention_resources() -> None:
+    """The decode attention as launched for bf16 q (Qwen2.5-0.5B: a group of 7 q heads of 64; Llama-8B: 4 of 128),
+    without and with the LoRA L2 prefetch of its tokens' slots (``l2_prefetch``, 32 tokens)."""
+    from loraserve.layers import triton_attention as ta
+
+    fn = ta._paged_attention_kernel
+    print("| q heads a KV head x head_dim | L2 prefetch | registers | spill bytes | shared KB |")
+    print("|---|---|---:|---:|---:|")
+    for group, d in ((7, 64), (4, 128)):
+        block_m, block_q = ta._tiles(group, True)
+        for prefetch in (False, True):
+            ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", seq_info_ptr="*i32",
+                        block_table_ptr="*i32", work_ptr="*i32", oa_ptr="*bf16", orank_ptr="*i32", slots_ptr="*i64",
+                        obuf_ptr="*fp32", pf_table_ptr="*i64")  # fmt: skip
+            consts = dict(G=group, HEAD_DIM=d, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64, BLOCK_D=d,
+                          IS_DECODE=True, SLIDING=False, IEEE=False, PDL_CHAIN=True, SHRINK=False, R=16, BLOCK_R=16,
+                          G_POW2=1, PREFETCH=prefetch, PF_BLOCK_T=32)  # fmt: skip
+            k = compile_as_launched(fn, ptrs, consts, {"stride_qt", "stride_ks", "stride_vs", "stride_ot"},
+                                    dict(num_warps=4, num_stages=2), floats=frozenset({"qk_scale"}))  # fmt: skip
+            regs, stack = registers_and_stack(k)
+            print(f"| {group} x {d} | {'on' if prefetch else 'off'} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} |",
+                  flush=True)  # fmt: skip
+
+
 def main() -> None:
     import sys
+
+    if "--attention" in sys.argv:
+        attention_resources()
+        return
 
     if "--early" in sys.argv:
         early_resources()

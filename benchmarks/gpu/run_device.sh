@@ -87,6 +87,8 @@
 #                                               of the defaults and the cap
 #   bash benchmarks/gpu/run_device.sh cp29      # step_trace Qwen-0.5B with its critical path table, the defaults (twice)
 #                                               and gate/up's delta in its GEMM; the raw kernel traces under $OUT
+#   bash benchmarks/gpu/run_device.sh pf29      # the attention's LoRA L2 prefetch on and off: step_trace Qwen (raw traces
+#                                               under $OUT) and Llama-8B, every GPU test, bench_e2e Qwen
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -397,6 +399,18 @@ for stage in "$@"; do
             (export $c; new_tests 60 -n 4 tests/gpu/test_gated_lora.py tests/gpu/test_fused_decoder_path.py)
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_NORM_WEIGHT_EARLY=0"
             e2e_per_setting 80 qwen2.5-0.5b "" "$c"
+            ;;
+        pf29)  # the attention's LoRA L2 prefetch: Qwen's critical path on and off (raw traces back), every GPU test, Llama-8B, e2e
+            i=0
+            for k in "" "LORASERVE_LORA_L2_PREFETCH=0" ""; do
+                i=$((i + 1))
+                name=${i}_$(echo "${k:-default}" | tr ' =,' '___')
+                echo "### step_trace qwen2.5-0.5b: ${k:-default}" | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt"
+                env $k timeout 60 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt" | grep "graph replay"
+            done
+            gpu_tests 150
+            trace_per_setting 120 llama-3.1-8b "" "LORASERVE_LORA_L2_PREFETCH=0"
+            e2e_per_setting 80 qwen2.5-0.5b "" "LORASERVE_LORA_L2_PREFETCH=0"
             ;;
         cp29)  # the critical path of a Qwen layer, kernel by kernel, base vs 8 adapters; the raw traces come back
             i=0

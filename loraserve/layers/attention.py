@@ -15,13 +15,14 @@ of a rotary launch plus two index_put launches.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.forward_context import AttentionMetadata, get_forward_context
+from loraserve.forward_context import AttentionMetadata, current_lora_mapping, get_forward_context
 from loraserve.layers.triton_dispatch import FUSED_ELEMENTWISE, elementwise_kernels
 
 if TYPE_CHECKING:
@@ -107,6 +108,9 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self._kernel = None
+        # the layer's modules run after this launch, whose LoRA weights it pulls into L2 on a decode step
+        # (``l2_prefetch``): a callable giving them (o, gate/up, down), set by the decoder layer that owns them
+        self.lora_prefetch_from: Callable[[], tuple[nn.Module, ...]] | None = None
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -158,11 +162,13 @@ class Attention(nn.Module):
         if self._kernel is None:
             o = reference_paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
             return o.reshape(T, self.num_heads * self.head_dim)
-        shrink = self._fused_shrink(q, md, feeds)
+        shrink, prefetch = self._fused_shrink(q, md, feeds), self._l2_prefetch(md)
         if shrink is None:
-            o = self._kernel(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
+            o = self._kernel(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window, prefetch=prefetch)
             return o.reshape(T, self.num_heads * self.head_dim)
-        o, obuf = self._kernel(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window, shrink=shrink)
+        o, obuf = self._kernel(
+            q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window, shrink=shrink, prefetch=prefetch
+        )
         out = o.reshape(T, self.num_heads * self.head_dim)
         feeds.keep_shrunk(out, obuf)
         return out
@@ -171,6 +177,22 @@ class Attention(nn.Module):
         """Whether ``forward`` adds a qkv delta in its rotary launch (the Triton kernels, with rotary): else the
         caller adds it to qkv itself (``PendingQKVDelta.add_to``)."""
         return rotary_emb is not None and self._kernel is not None and FUSED_ELEMENTWISE
+
+    def _l2_prefetch(self, md):
+        """(region table, token slots) of the LoRA weights ``lora_prefetch_from`` read on this step, for the Triton
+        kernel to pull into L2 (``l2_prefetch``, on by default): on a decode step whose LoRA takes the fused path
+        in those modules (``l2_prefetch_stacks``); else None."""
+        mapping = current_lora_mapping()
+        if self.lora_prefetch_from is None or md.max_query_len > 1 or mapping is None or not mapping.has_lora:
+            return None
+        mods = self.lora_prefetch_from()
+        stacks = [t for m in mods if hasattr(m, "l2_prefetch_stacks") for t in m.l2_prefetch_stacks()]
+        if not stacks:
+            return None
+        from loraserve.lora.ops.triton import l2_prefetch  # the kernel is bound: triton is importable
+
+        table = l2_prefetch.region_table(stacks)
+        return None if table is None else (table, mapping.token_slots)
 
     def _fused_shrink(self, q: torch.Tensor, md, feeds: nn.Module | None):
         """(A, ranks, token slots) for the Triton kernel to compute ``feeds``' LoRA shrink of the output, where

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from loraserve.forward_context import AttentionMetadata
+from loraserve.lora.ops.triton.l2_prefetch import prefetch_token_slot
 from loraserve.lora.ops.triton.utils import dot_in, pdl_chain, pdl_link
 
 _LOG2E = 1.4426950408889634
@@ -71,9 +72,18 @@ def _paged_attention_kernel(
     R: tl.constexpr,
     BLOCK_R: tl.constexpr,
     G_POW2: tl.constexpr,
+    # LoRA weights of the layer's next launches pulled into L2 for each token's slot (decode, ``l2_prefetch``):
+    # the region table, its rows, and the tokens' slots (slots_ptr, n_tokens)
+    pf_table_ptr,
+    pf_regions,
+    PREFETCH: tl.constexpr,
+    PF_BLOCK_T: tl.constexpr,
 ):
     item = tl.program_id(0)
     kvh = tl.program_id(1)
+    if PREFETCH:  # weights and the mapping (written before the forward): before the wait, while the launch before runs
+        prefetch_token_slot(pf_table_ptr, pf_regions, slots_ptr, tl.load(seq_info_ptr + item * stride_info), n_tokens,
+                            kvh, tl.num_programs(1), PF_BLOCK_T)  # fmt: skip
     if SHRINK:  # before the wait: the metadata, the mapping and o's A (written before the forward)
         tok = tl.load(seq_info_ptr + item * stride_info)  # decode: item is the sequence, its one token
         oslot = tl.load(slots_ptr + tok)
@@ -253,6 +263,7 @@ def paged_attention(
     sliding_window: int | None,
     block_size: int | None = None,
     shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    prefetch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q (T, Hq, D) over the paged cache (num_slots, Hk, D) -> (T, Hq, D), causal (+ sliding window).
 
@@ -264,6 +275,10 @@ def paged_attention(
     A[slot]^T per token with a slot; summed over the planes in order, what ``lora_shrink(..., zero_fill=True)``
     writes (every column r < R of those rows; base rows unwritten): the split-K planes decode_linear's
     epilogue sums (``ExpandEpilogue``).
+
+    ``prefetch``: (a region table of LoRA stacks, ``l2_prefetch.region_table``; token_slots (T,)): on a decode
+    step each program first asks L2 for its share of the lines of its token's slot in those stacks (the
+    weights the layer's next launches read). The output is the same.
     """
     T, Hq, D = q.shape
     _, Hk, Dk = k_cache.shape
@@ -305,6 +320,14 @@ def paged_attention(
     else:
         shrink_kw = dict(oa_ptr=out, orank_ptr=si, slots_ptr=si, obuf_ptr=out, n_tokens=T, stride_oas=0,
                          SHRINK=False, R=16, BLOCK_R=16, G_POW2=1)  # fmt: skip
+    pf_kw = dict(pf_table_ptr=si, pf_regions=0, PREFETCH=False, PF_BLOCK_T=1)
+    if prefetch is not None and decode:
+        table, slots = prefetch
+        assert slots.shape == (T,), f"prefetch: the step's token slots (T,), not {tuple(slots.shape)}"
+        assert table.dtype == torch.int64 and table.shape[1:] == (3,), "prefetch: an l2_prefetch.region_table"
+        pf_kw = dict(pf_table_ptr=table, pf_regions=table.shape[0], PREFETCH=True, PF_BLOCK_T=triton.next_power_of_2(T))
+        if shrink is None:  # one slots_ptr serves both (the shrink's are the step's too)
+            shrink_kw["slots_ptr"] = slots
     _paged_attention_kernel[(n_items, Hk)](
         q, k_cache, v_cache, out, si, bt, work,
         scale * _LOG2E, sliding_window or 0,
@@ -313,6 +336,6 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         G=G, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=block_d, IS_DECODE=decode, SLIDING=sliding_window is not None, IEEE=q.dtype == torch.float32,
-        PDL_CHAIN=chain, num_warps=4, num_stages=2, launch_pdl=chain, **shrink_kw,
+        PDL_CHAIN=chain, num_warps=4, num_stages=2, launch_pdl=chain, **shrink_kw, **pf_kw,
     )  # fmt: skip
     return out if shrink is None else (out, obuf)

@@ -110,6 +110,11 @@ class LlamaDecoderLayer(nn.Module):
             self.self_attn.qkv_proj.output_feeds_rotary = not self.self_attn.qk_norm
         if type(self.mlp) is LlamaMLP:
             self.mlp.down_proj.output_feeds_norm = True
+        if type(self.self_attn) is LlamaAttention and type(self.mlp) is LlamaMLP:
+            # the decode attention pulls the LoRA weights of the launches after it into L2 (l2_prefetch); looked up
+            # at each step: the LoRA wrappers replace these modules after construction
+            attn, mlp = self.self_attn, self.mlp
+            attn.attn.lora_prefetch_from = lambda: (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None

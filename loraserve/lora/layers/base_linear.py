@@ -235,6 +235,11 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             self.keep_shrunk(x, shrunk)
         return None
 
+    def l2_prefetch_stacks(self) -> list[torch.Tensor]:
+        """This layer's A and B stacks where this step's product takes the fused decode path, for a launch
+        before it to pull its tokens' slots of them into L2 (``l2_prefetch``); else none."""
+        return [*self.lora_a_stacked, *self.lora_b_stacked] if self._fusable() else []
+
     def keep_shrunk(self, x: torch.Tensor, buf: torch.Tensor) -> None:
         """Keep the shrink of x that the launch writing x computed (``fused_shrink_operands``), for ``take_shrunk``."""
         self._shrunk_input = (x, buf)
