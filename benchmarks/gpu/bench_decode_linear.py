@@ -13,6 +13,7 @@ device-to-device copy measured in the same run.
     python benchmarks/gpu/bench_decode_linear.py --lora-tune    # the fused LoRA op's time per tile config
     python benchmarks/gpu/bench_decode_linear.py --trace DIR    # each kernel's start and end in a graph replay
     python benchmarks/gpu/bench_decode_linear.py --gated        # gate_up + SiLU-and-mul: the delta in the GEMM or the activation
+    python benchmarks/gpu/bench_decode_linear.py --augmented    # the delta as more K of the base GEMM, against today's path
 """
 
 from __future__ import annotations
@@ -415,6 +416,59 @@ def gated(layers: int, configs=((64, 4), (64, 8), (128, 8))) -> None:
         torch.cuda.empty_cache()
 
 
+def _augmented_times(name: str, K: int, slices: tuple[int, ...], layers: int, S: int, R: int) -> tuple[float, ...]:
+    """(base, K + S*R, K + n*S*R, today's LoRA without its shrink) µs per op of one shape (``augmented``)."""
+    from loraserve.layers.triton_elementwise import silu_and_mul
+    from loraserve.lora.ops.triton import gated_lora
+    from loraserve.lora.ops.triton.gated_lora import silu_and_mul_lora
+
+    act = silu_and_mul if name == "gate_up" else (lambda y: y)
+    case = Case(K, slices, 32, layers, lora_dtype=torch.float16, S=S, R=R)
+    N = case.N
+
+    def plain(k_extra: int) -> float:
+        x = torch.zeros(32, K + k_extra, device=DEV, dtype=torch.bfloat16)
+        x[:, :K] = case.x
+        ws = [torch.zeros(N, K + k_extra, device=DEV, dtype=torch.bfloat16) for _ in case.ws]
+        tiles = dl.default_tiles(32, N, K + k_extra, torch.bfloat16)
+        return graph_us(lambda: [act(dl.decode_linear(x, w, tiles=tiles)) for w in ws], layers)
+
+    ops = TritonLoRAOps(DEV)
+    rank_dev = ops.ranks_tensor(case.ranks)
+    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True) for A in case.As]
+    tiles = dl.default_tiles(32, N, K, torch.bfloat16, slices)
+    slots = case.mapping.token_slots
+    gated = name == "gate_up" and gated_lora.prefer(N // 2, K)
+
+    def today():
+        for w, B, buf in zip(case.ws, case.Bs, bufs):
+            if gated:
+                silu_and_mul_lora(dl.decode_linear(case.x, w, tiles=tiles), buf, B, slots)
+            else:
+                act(dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, slots), tiles=tiles))
+
+    return plain(0), plain(S * R), plain(len(slices) * S * R), graph_us(today, layers)
+
+
+def augmented(layers: int, S: int = 8, R: int = 16) -> None:
+    """The LoRA delta as more K of the base GEMM, timed before it is built: x (32, K) with each token's shrink s
+    written into its slot's R columns past K, W with every slot's B (times the scaling) in those columns, so one
+    plain GEMM gives base + delta (bf16 s and B, PEFT's own roundings of a bf16 model). Per op of each shape,
+    µs per op (gate_up: with its SiLU-and-mul): the base GEMM; the GEMM over K + S*R (one set of columns, which a
+    K loop that picks each slice's set needs) and over K + n*S*R (n slices' sets: a plain GEMM); and today's
+    LoRA path without its shrink (computed outside the graph, as the norms and GEMMs compute it beside
+    something else): the epilogue, or for gate_up where ``gated_lora.prefer`` the plain GEMM and silu_and_mul_lora."""
+    print("| model | op | K | base µs | K + S*R µs | K + n*S*R µs | today's LoRA without its shrink µs | "
+          "LoRA cost: K + S*R / K + n*S*R / today |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for model in ("qwen-0.5b", "llama-8b"):
+        for name, K, slices in SHAPES[model][:4]:
+            t_base, t_one, t_all, t_now = _augmented_times(name, K, slices, layers, S, R)
+            print(f"| {model} | {name} | {K} | {t_base:.1f} | {t_one:.1f} | {t_all:.1f} | {t_now:.1f} | "
+                  f"{t_one - t_base:.1f} / {t_all - t_base:.1f} / {t_now - t_base:.1f} |", flush=True)  # fmt: skip
+            torch.cuda.empty_cache()
+
+
 def check(case: Case, ops: TritonLoRAOps, tiles) -> float:
     """Relative error of the fused layer vs the unfused one (bf16: a rounding apart)."""
     rank_dev = ops.ranks_tensor(case.ranks)
@@ -503,6 +557,7 @@ def main() -> None:
     ap.add_argument("--lora-tune", action="store_true", help="only the fused LoRA op's time per tile config")
     ap.add_argument("--lora-tune-ops", default="gate_up,down", help="--lora-tune: these ops")
     ap.add_argument("--lora-tune-dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="--lora-tune: the LoRA weights' dtype")
+    ap.add_argument("--augmented", action="store_true", help="only the LoRA delta as more K of the base GEMM, against today's")
     ap.add_argument("--gated", action="store_true", help="only gate_up + SiLU-and-mul: the delta in the GEMM or in the activation")
     ap.add_argument("--trace", default=None, help="only the kernel timestamps of each op (profiler traces into this folder)")
     args = ap.parse_args()
@@ -517,6 +572,9 @@ def main() -> None:
         return
     if args.gated:
         gated(args.layers)
+        return
+    if args.augmented:
+        augmented(args.layers)
         return
     if args.matrix:
         print("| knob | op | cuBLAS µs | unfused µs | LoRA cost | decode_linear µs | fused µs | LoRA cost | fused rel err |")

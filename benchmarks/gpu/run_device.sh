@@ -89,6 +89,8 @@
 #                                               and gate/up's delta in its GEMM; the raw kernel traces under $OUT
 #   bash benchmarks/gpu/run_device.sh pf29      # the attention's LoRA L2 prefetch on and off: step_trace Qwen (raw traces
 #                                               under $OUT) and Llama-8B, every GPU test, bench_e2e Qwen
+#   bash benchmarks/gpu/run_device.sh aug29     # bench_decode_linear --augmented; the attention tests (prefetch on in its
+#                                               test); step_trace Qwen at the defaults
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -399,6 +401,11 @@ for stage in "$@"; do
             (export $c; new_tests 60 -n 4 tests/gpu/test_gated_lora.py tests/gpu/test_fused_decoder_path.py)
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_NORM_WEIGHT_EARLY=0"
             e2e_per_setting 80 qwen2.5-0.5b "" "$c"
+            ;;
+        aug29)  # the LoRA delta as more K of the base GEMM (bench_decode_linear --augmented), the prefetch's tests, the defaults
+            timeout 240 python3 benchmarks/gpu/bench_decode_linear.py --augmented 2>&1 | grep -v Warn | tee "$OUT/augmented.txt"
+            new_tests 90 -n 4 tests/gpu/test_l2_prefetch.py tests/gpu/test_triton_attention.py tests/gpu/test_attention_shrink.py
+            trace_per_setting 60 qwen2.5-0.5b ""
             ;;
         pf29)  # the attention's LoRA L2 prefetch: Qwen's critical path on and off (raw traces back), every GPU test, Llama-8B, e2e
             i=0

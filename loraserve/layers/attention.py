@@ -180,17 +180,17 @@ class Attention(nn.Module):
 
     def _l2_prefetch(self, md):
         """(region table, token slots) of the LoRA weights ``lora_prefetch_from`` read on this step, for the Triton
-        kernel to pull into L2 (``l2_prefetch``, on by default): on a decode step whose LoRA takes the fused path
+        kernel to pull into L2 (``l2_prefetch``, opt-in: measured slower): on a decode step whose LoRA takes the fused path
         in those modules (``l2_prefetch_stacks``); else None."""
+        from loraserve.lora.ops.triton import l2_prefetch  # the kernel is bound: triton is importable
+
         mapping = current_lora_mapping()
-        if self.lora_prefetch_from is None or md.max_query_len > 1 or mapping is None or not mapping.has_lora:
+        if not l2_prefetch.ENABLED or self.lora_prefetch_from is None or md.max_query_len > 1:
+            return None
+        if mapping is None or not mapping.has_lora:
             return None
         mods = self.lora_prefetch_from()
         stacks = [t for m in mods if hasattr(m, "l2_prefetch_stacks") for t in m.l2_prefetch_stacks()]
-        if not stacks:
-            return None
-        from loraserve.lora.ops.triton import l2_prefetch  # the kernel is bound: triton is importable
-
         table = l2_prefetch.region_table(stacks)
         return None if table is None else (table, mapping.token_slots)
 

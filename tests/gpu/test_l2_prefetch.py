@@ -28,6 +28,11 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def prefetch_on(monkeypatch):
+    monkeypatch.setattr(l2_prefetch, "ENABLED", True)  # opt-in (LORASERVE_LORA_L2_PREFETCH=1)
+
+
 def token_slots(kind: str, T: int, S: int) -> list[int]:
     if kind == "round-robin":
         return [t % S for t in range(T)]

@@ -17,6 +17,7 @@ def test_region_table_lists_each_stack_by_slot(monkeypatch):
     """A row per stack: its address, the bytes between two slots and the bytes of a slot; one table per set
     of stacks (the same tensor again); none when the prefetch is off or there is nothing to prefetch."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(l2_prefetch, "ENABLED", True)  # opt-in (LORASERVE_LORA_L2_PREFETCH=1)
     a = torch.zeros(8, 1, 16, 896, dtype=torch.float16)
     b = torch.zeros(8, 1, 4864, 16, dtype=torch.float32)
     table = l2_prefetch.region_table([a, b])

@@ -1,11 +1,17 @@
-"""LoRA weights pulled into L2 by a latency-bound launch, ahead of the launches that read them.
+"""LoRA weights pulled into L2 by a latency-bound launch, ahead of the launches that read them (opt-in,
+``LORASERVE_LORA_L2_PREFETCH=1``: measured slower).
 
-On a small model's decode step the MLP's GEMMs stream their W near the memory's bandwidth, and the LoRA
-weights read beside them (gate/up's B in the gated SiLU-and-mul, down's A in its GEMM's shrink blocks)
-queue behind that stream: session 29's critical path (``step_trace.py``, H100, Qwen2.5-0.5B, 8 adapters)
-puts 3.4-4.5 µs a layer on gate/up's delta wherever it is computed, for 2.5 MB of B. The decode attention
-before them reads little (the KV of 32 tokens) and waits on latency: its programs ask L2 for those
-weights (``prefetch.global.L2``: no registers held, nothing waited on), so the later reads hit L2.
+The idea: on a small model's decode step the MLP's GEMMs stream their W near the memory's bandwidth, and the
+LoRA weights read beside them (gate/up's B in the gated SiLU-and-mul, down's A in its GEMM's shrink blocks)
+might queue behind that stream; session 29's critical path (``step_trace.py``, H100, Qwen2.5-0.5B, 8
+adapters) puts 3.4-4.5 µs a layer on gate/up's delta wherever it is computed. The decode attention before
+them reads little (the KV of 32 tokens): its programs ask L2 for its layer's o, gate/up and down LoRA
+weights (``prefetch.global.L2``: no registers held, nothing waited on), before their PDL wait.
+
+Measured (session 29, H100, 8 adapters, step_trace; BENCHMARKS.md): slower. Qwen2.5-0.5B's step 1.141 ->
+1.200-1.207 ms: the attention's advance of the layer's critical path grows 7.3 -> 12.0 µs, and what it
+saves after it is small (the gated SiLU-and-mul 4.6 -> 4.2 µs, the o and down GEMMs 0.3-0.6 each): gate/up's
+delta is not waiting on DRAM. Llama-8B's 6.546 -> 6.692 ms. Kept opt-in, with its GPU test, to build on.
 
 Which bytes: the slots of this step's tokens only, each slot's lines once. The table (``region_table``)
 lists regions, each a stack of per-slot weights: (base address, bytes between slots, bytes of a slot).
@@ -25,8 +31,9 @@ import triton.language as tl
 
 from loraserve.lora.ops.triton.utils import interpreted, prefetch_l2
 
-# The decode attention prefetches its layer's o, gate/up and down LoRA weights (LORASERVE_LORA_L2_PREFETCH=0 turns it off)
-ENABLED = os.environ.get("LORASERVE_LORA_L2_PREFETCH", "1") != "0"
+# The decode attention prefetches its layer's o, gate/up and down LoRA weights: opt-in, LORASERVE_LORA_L2_PREFETCH=1
+# (measured slower, see above); a module attribute
+ENABLED = os.environ.get("LORASERVE_LORA_L2_PREFETCH", "0") == "1"
 LINE = tl.constexpr(128)  # bytes a prefetch asks for
 CHUNK = tl.constexpr(256)  # lines a program asks for at once (two per thread on 4 warps)
 
