@@ -71,13 +71,15 @@ MAX_SHRINK_ROWS = 256  # rows of (slot, rank) of down's A tile a program holds (
 # adapters, step_trace): 8 adapters 1.195 -> 1.201 ms alone; 1.140 -> 1.143 with the norms' early weight and the W
 # prefetch: opt-in
 DEFAULT_BLOCK_N = power_of_two_env("LORASERVE_GATED_BLOCK_N", 64, 16, 256)
-# A register cap a thread for this launch (a module attribute; LORASERVE_GATED_MAXNREG=192; untimed, off). Why: at 64
-# columns on 8 warps a program takes 227 registers a thread (58 K of the SM's 64 K), and a program of gate_up's
+# A register cap a thread for this launch (a module attribute; LORASERVE_GATED_MAXNREG=192; opt-in, measured slower). Why:
+# at 64 columns on 8 warps a program takes 227 registers a thread (58 K of the SM's 64 K), and a program of gate_up's
 # one-wave GEMM leaves 48 K (and 67 KB of shared memory) beside it, so no program of this launch fits on an SM that
 # holds one of the GEMM's: past the 56 SMs the GEMM leaves free, they start only as the GEMM ends. At 192 (16 bytes
-# of spill) one fits beside each (``kernel_resources.py --beside``, compiled for sm_90 on the CPU). 128 columns, the
-# other way to that end (38 programs), measured no faster (session 28); this keeps 76 programs and their short
-# after-wait path. The same numbers either way (its test)
+# of spill) one fits beside each (``kernel_resources.py --beside``, compiled for sm_90 on the CPU). Measured (session
+# 29, H100, Qwen2.5-0.5B, 8 adapters, step_trace): 1.142 -> 1.154 ms, with the early delta 1.146; bench_e2e's replay
+# 1.19 -> 1.21 ms. Session 29's critical path (step_trace.py) shows why: this launch's part of the layer's critical
+# path does not come from where its programs start; gate/up's delta costs about the same wherever it is computed
+# (BENCHMARKS.md, session 29). The same numbers either way (its test)
 MAX_REGISTERS = register_cap_env("LORASERVE_GATED_MAXNREG")
 
 
