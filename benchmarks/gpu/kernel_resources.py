@@ -113,7 +113,8 @@ def norm_shrink_resources() -> None:
                     a1_ptr=adt, a2_ptr=adt, buf_ptr="*fp32", slots_ptr="*i64", rank_ptr="*i32", d_buf_ptr="*fp32",
                     d_b_ptr="*fp16", d_slots_ptr="*i32")  # fmt: skip
         consts = dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True,
-                      W_EARLY=tew.NORM_WEIGHT_EARLY, HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)
+                      W_EARLY=tew.NORM_WEIGHT_EARLY, HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32,
+                      IN_K=False, S_POW2=8)
         # K and its multiples (stride_ar is K) are multiples of 16 at these shapes
         sixteens = {"N", "stride_x", "stride_r", "stride_o", "stride_ro", "stride_as", "stride_ar", "stride_bi", "stride_bm"}
         warps = tew.norm_warps(block)
@@ -144,7 +145,7 @@ def norm_delta_resources() -> None:
                  {**dict.fromkeys(rows, "*bf16"), **dict.fromkeys(("a0_ptr", "a1_ptr", "a2_ptr"), "*fp16"),
                   "buf_ptr": "*fp32", "slots_ptr": "*i64", "rank_ptr": "*i32"},
                  dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True,
-                      W_EARLY=tew.NORM_WEIGHT_EARLY)),
+                      W_EARLY=tew.NORM_WEIGHT_EARLY, IN_K=False, S_POW2=8)),
             ]  # fmt: skip
             for name, fn, ptrs, consts in kernels:
                 for warps in (tew.norm_warps(block), 2 * tew.norm_warps(block)):

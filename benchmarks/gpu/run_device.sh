@@ -91,6 +91,8 @@
 #                                               under $OUT) and Llama-8B, every GPU test, bench_e2e Qwen
 #   bash benchmarks/gpu/run_device.sh aug29     # bench_decode_linear --augmented; the attention tests (prefetch on in its
 #                                               test); step_trace Qwen at the defaults
+#   bash benchmarks/gpu/run_device.sh ink29     # gate/up's delta as more K: step_trace Qwen off/on/off, bench_e2e Qwen on,
+#                                               every GPU test with it on
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -401,6 +403,12 @@ for stage in "$@"; do
             (export $c; new_tests 60 -n 4 tests/gpu/test_gated_lora.py tests/gpu/test_fused_decoder_path.py)
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_NORM_WEIGHT_EARLY=0"
             e2e_per_setting 80 qwen2.5-0.5b "" "$c"
+            ;;
+        ink29)  # gate/up's delta as more K (LORASERVE_DELTA_IN_K=1): Qwen's step_trace off/on, bench_e2e on, every GPU test on
+            k=LORASERVE_DELTA_IN_K=1
+            trace_per_setting 60 qwen2.5-0.5b "" "$k" ""
+            e2e_per_setting 80 qwen2.5-0.5b "$k"
+            (export $k; gpu_tests 150)
             ;;
         aug29)  # the LoRA delta as more K of the base GEMM (bench_decode_linear --augmented), the prefetch's tests, the defaults
             timeout 240 python3 benchmarks/gpu/bench_decode_linear.py --augmented 2>&1 | grep -v Warn | tee "$OUT/augmented.txt"

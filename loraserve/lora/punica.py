@@ -348,16 +348,18 @@ class PunicaWrapper:
         ranks: list[int],
         weight: torch.Tensor,
         delta: PendingDelta | None = None,
+        in_k: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
         """RMSNorm of x (after the residual add) and the shrink of its output, in one launch, where the
         layer's ``linear_with_lora`` (GEMM ``weight``) would take that shrink: (out, residual', shrunk);
-        else None (``TritonLoRAOps.norm_shrink``). ``delta``: x's pending delta, added to x first."""
+        else None (``TritonLoRAOps.norm_shrink``). ``delta``: x's pending delta, added to x first. ``in_k``:
+        shrunk is the output with the shrink as more columns (``delta_in_k``), out their first K."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.norm_shrink(
             x, residual, norm_weight, eps, lora_a_stacked, lora_b_stacked, ranks, weight, mapping.token_meta,
-            mapping.token_slots, delta=delta,
+            mapping.token_slots, delta=delta, in_k=in_k,
         )
 
     def linear_deferring_delta(

@@ -86,6 +86,26 @@ def test_norm_shrink_matches_the_norm_and_the_shrink(case, residual, dtypes):
                 assert err < 1e-5, f"slice {i} token {t}: rel err {err}"
 
 
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"T{c[0]}-K{c[1]}-{c[2]}sl-S{c[3]}-R{c[4]}")
+def test_the_shrink_as_more_columns_of_the_output(case):
+    """``in_k`` (``delta_in_k``): the norm's outputs are the same bits, ``out`` is the first K columns of the
+    wider output, and column K + (i*S + j)*R + r holds token t's s_i[r] rounded to out's dtype where j is its slot
+    (the fp32 shrink of the default call, rounded), zeros in every other slot's columns and for base tokens."""
+    T, K, n, S, R = case
+    x, res, w, As, _, ranks, slots = random_case(T, K, n, S, R, HALF[-1], torch.float16, seed=T + K + n)
+    mapping, _ = mapping_of(slots)
+    rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
+    out, new_res, buf = ns.norm_shrink(x, res, w, 1e-6, As, mapping.token_slots, rank_dev)
+    out_k, new_res_k, wide = ns.norm_shrink(x, res, w, 1e-6, As, mapping.token_slots, rank_dev, in_k=True)
+    assert torch.equal(out_k, out) and torch.equal(new_res_k, new_res)
+    assert wide.shape == (T, K + n * S * R) and out_k.data_ptr() == wide.data_ptr() and out_k.stride(0) == wide.stride(0)
+    want = torch.zeros(T, n, S, R, dtype=out.dtype)
+    for t, s in enumerate(slots):
+        if s >= 0:
+            want[t, :, s] = buf[0, :, t].cpu().to(out.dtype)
+    assert torch.equal(wide[:, K:].cpu(), want.reshape(T, -1))
+
+
 def test_the_weight_loaded_before_the_wait_gives_the_same_bits(monkeypatch):
     """LORASERVE_NORM_WEIGHT_EARLY: the norm kernels (plain, add + norm, norm_shrink) load their weight before their PDL
     wait; their outputs are those of the weight loaded after it, bit for bit."""

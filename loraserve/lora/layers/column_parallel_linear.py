@@ -15,8 +15,14 @@ from torch import nn
 
 from loraserve.distributed.comm import tp_all_gather
 from loraserve.layers.activation import SiluAndMul
-from loraserve.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear
+from loraserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    linear,
+)
 from loraserve.lora.layers.base_linear import BaseLinearLayerWithLoRA
+from loraserve.lora.ops import delta_in_k
 
 
 class ColumnParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
@@ -76,12 +82,54 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
             and len(source_layer.output_sizes) == cls.n_packed
         )
 
+    def create_lora_weights(self, max_loras: int, lora_config, model_config=None) -> None:
+        super().create_lora_weights(max_loras, lora_config, model_config)
+        # the delta as more K of the GEMM (delta_in_k, opt-in): W widened now, before any graph reads it
+        self.w_in_k: torch.Tensor | None = None
+        self._in_k_input: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.n_slices == 2 and delta_in_k.applies(self.base_layer.weight, self.lora_b_stacked, self.tp_size):
+            self.w_in_k = delta_in_k.widen(self.base_layer, self.lora_b_stacked)
+
+    def reset_lora(self, index: int) -> None:
+        super().reset_lora(index)
+        self._write_in_k(index)
+
+    def set_lora(self, index: int, lora_a, lora_b) -> None:
+        super().set_lora(index, lora_a, lora_b)
+        self._write_in_k(index)
+
+    def _write_in_k(self, index: int) -> None:
+        if getattr(self, "w_in_k", None) is not None:
+            delta_in_k.write_slot(self.w_in_k, self.input_size, self.lora_b_stacked, index)
+
+    def fuse_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, delta=None):
+        """``BaseLinearLayerWithLoRA.fuse_norm``; where this layer takes its delta as more K (``w_in_k``), the norm
+        writes the shrink as more columns of its output instead, kept for ``forward_activated``."""
+        self._in_k_input = None
+        pw = self.punica_wrapper
+        if self.w_in_k is not None and pw is not None and pw.fuses_norm and self._fusable():
+            fused = pw.norm_shrink(
+                x, residual, weight, eps, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks,
+                self.base_layer.weight, delta=delta, in_k=True,
+            )  # fmt: skip
+            if fused is not None:
+                out, new_residual, x_wide = fused
+                self._shrunk_input = None
+                self._in_k_input = (out, x_wide)
+                return out if residual is None else (out, new_residual)
+        return super().fuse_norm(x, residual, weight, eps, delta)
+
     def forward_activated(self, x: torch.Tensor, act, feeds: nn.Module | None = None) -> torch.Tensor:
         """act(self(x)); for SiLU-and-mul on gate/up at decode sizes on the GPU, the delta is added in the
         activation's launch instead of the GEMM's epilogue where that is faster (``gated_lora``). ``feeds``:
         the layer the activation's output goes to (down); where it is LoRA'd (``fused_shrink_operands``) that
-        launch computes its shrink too, kept for it (``keep_shrunk``): down then runs no shrink launch."""
+        launch computes its shrink too, kept for it (``keep_shrunk``): down then runs no shrink launch.
+        Where the norm wrote x with its shrink as more columns (``fuse_norm``, ``delta_in_k``): one plain GEMM
+        of that wider x and the wider W, then act."""
         base = self.base_layer
+        in_k, self._in_k_input = getattr(self, "_in_k_input", None), None
+        if in_k is not None and in_k[0] is x:
+            return act(linear(in_k[1], self.w_in_k, base.bias))
         if isinstance(act, SiluAndMul) and not base.gather_output and self.n_slices == 2 and self._fusable():
             pending = self._shrunk_input
             then_shrink = getattr(feeds, "fused_shrink_operands", None)

@@ -176,11 +176,13 @@ class TritonLoRAOps:
         meta: SegmentMeta,
         token_slots: torch.Tensor,
         delta: PendingDelta | None = None,
+        in_k: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
         """(RMSNorm(x + residual), x + residual, the output's shrink) in one launch (``norm_shrink``), where
         it is on (the default; LORASERVE_NORM_SHRINK=0 turns it off), the kernel supports the shapes, some
         slot has a rank, and ``linear_with_lora`` of the output with this GEMM ``weight`` takes the decode path; else None.
-        ``delta``: x's pending delta (``row_delta``), added to x first in the same launch."""
+        ``delta``: x's pending delta (``row_delta``), added to x first in the same launch. ``in_k``: the shrink
+        as x's extra columns (``delta_in_k``; the third result is that wider x)."""
         if not self.fuses_norm or x.dim() != 2 or not norm_shrink.supports(x, lora_a_stacked):
             return None
         if torch.promote_types(norm_weight.dtype, x.dtype) != x.dtype:
@@ -190,7 +192,7 @@ class TritonLoRAOps:
         if _max_rank(lora_a_stacked, ranks, meta) == 0:
             return None  # nothing to add: linear_with_lora runs the plain GEMM
         return norm_shrink.norm_shrink(
-            x, residual, norm_weight, eps, lora_a_stacked, token_slots, self.ranks_tensor(ranks), delta=delta
+            x, residual, norm_weight, eps, lora_a_stacked, token_slots, self.ranks_tensor(ranks), delta=delta, in_k=in_k
         )
 
     def linear_deferring_delta(

@@ -61,6 +61,8 @@ def _norm_shrink_kernel(
     d_buf_ptr, d_b_ptr, d_slots_ptr, stride_dbs, stride_dsp, stride_dsm, stride_dss, D_P, D_R,
     HAS_DELTA: tl.constexpr,
     D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr, W_EARLY: tl.constexpr,
+    # s into the output's columns past N instead of buf (``delta_in_k``): S slots a slice, in powers of two
+    IN_K: tl.constexpr, S, S_POW2: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -94,7 +96,12 @@ def _norm_shrink_kernel(
     if j == 0:
         tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
     s = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1)  # (BLOCK_R,): zeros past the rank
-    if slot >= 0:
+    if IN_K:  # every slot's columns of this slice and rank block: the token's s in its slot's, zeros elsewhere
+        offs_s = tl.arange(0, S_POW2)
+        cols = N + (sl * S + offs_s[:, None]) * R + offs_r[None, :]
+        tile = tl.where(offs_s[:, None] == slot, s[None, :], 0.0).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + cols, tile, mask=(offs_s < S)[:, None] & (offs_r < R)[None, :])
+    elif slot >= 0:
         tl.store(buf_ptr + sl * stride_bi + row * stride_bm + offs_r, s, mask=offs_r < R)
 
 
@@ -122,12 +129,17 @@ def norm_shrink(
     token_slots: torch.Tensor,
     ranks: torch.Tensor,
     delta=None,
+    in_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(out, residual', buf): ``fused_add_rms_norm(x, residual, weight, eps)`` (``rms_norm`` when residual is
     None, residual' None), and buf (1, n_slices, T, R) fp32 = out @ A_i[slot]^T per token with a slot
     (``lora_shrink(..., zero_fill=True)``'s output: every column r < R written, zeros past the slot's rank;
     rows of base tokens unwritten). x: (T, K); token_slots: (T,) int, -1 = base; ranks: int32 per slot.
-    ``delta``: x's pending LoRA delta (a ``punica.PendingDelta``), added to x first (``row_delta``)."""
+    ``delta``: x's pending LoRA delta (a ``punica.PendingDelta``), added to x first (``row_delta``).
+
+    ``in_k`` (``delta_in_k``): instead of buf, x_aug (T, K + n*S*R) in out's dtype, whose first K columns are out
+    (out is their view) and column K + (i*S + j)*R + r holds the token's s_i[r] rounded where j is its slot,
+    zeros elsewhere (base tokens: all zeros); (out, residual', x_aug)."""
     assert supports(x, lora_a), "norm_shrink: half-precision x and A, K <= MAX_HIDDEN (check supports())"
     T, K = x.shape
     assert weight.shape == (K,), f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}"
@@ -139,9 +151,12 @@ def norm_shrink(
     n, R = len(lora_a), a0.shape[2]
     x = x if x.stride(-1) == 1 else x.contiguous()
     res = x if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
-    out = torch.empty((T, K), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    S = a0.shape[0]
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    x_aug = torch.empty((T, K + n * S * R), dtype=out_dtype, device=x.device) if in_k else None
+    out = x_aug[:, :K] if in_k else torch.empty((T, K), dtype=out_dtype, device=x.device)
     r_out = torch.empty((T, K), dtype=x.dtype, device=x.device) if residual is not None else out
-    buf = torch.empty((1, n, T, R), dtype=torch.float32, device=x.device)
+    buf = out if in_k else torch.empty((1, n, T, R), dtype=torch.float32, device=x.device)  # (in_k: unused)
     if T:
         block = triton.next_power_of_2(K)
         n_rblocks = triton.cdiv(R, BLOCK_R)
@@ -151,9 +166,9 @@ def norm_shrink(
         _norm_shrink_kernel[(T, n * n_rblocks)](
             x, res, weight, out, r_out, a0, a1, a2, buf, token_slots, ranks,
             x.stride(0), res.stride(0), out.stride(0), r_out.stride(0), a0.stride(0), a0.stride(2),
-            buf.stride(1), buf.stride(2), K, R, eps,
+            0 if in_k else buf.stride(1), 0 if in_k else buf.stride(2), K, R, eps,
             HAS_RESIDUAL=residual is not None, NUM_RBLOCKS=n_rblocks, BLOCK=block, BLOCK_R=BLOCK_R,
             PDL_CHAIN=chain, W_EARLY=triton_elementwise.NORM_WEIGHT_EARLY, num_warps=norm_warps(block), launch_pdl=chain,
-            **row_delta.kernel_args(delta, x),
+            IN_K=in_k, S=S, S_POW2=triton.next_power_of_2(S), **row_delta.kernel_args(delta, x),
         )  # fmt: skip
-    return out, (r_out if residual is not None else None), buf
+    return out, (r_out if residual is not None else None), (x_aug if in_k else buf)

@@ -1,0 +1,55 @@
+"""The layout of ``delta_in_k`` (a projection's LoRA delta as more K of its GEMM): the widened weight and its
+base view, each slot's B in its columns, and [x | s] @ [W | B]^T = x W^T + s B^T per token. Pure torch (the
+GPU path, with the norm writing s, is tests/gpu/test_gpu_engine.py's and test_norm_shrink.py's)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraserve.lora.ops import delta_in_k
+
+
+def test_widen_keeps_the_base_weight_as_a_view():
+    layer = nn.Linear(12, 10, bias=False)
+    w = layer.weight.detach().clone()
+    b = (torch.zeros(3, 1, 4, 2), torch.zeros(3, 1, 6, 2))  # 2 slices (4 + 6 rows), 3 slots, rank 2
+    wide = delta_in_k.widen(layer, b)
+    assert wide.shape == (10, 12 + 2 * 3 * 2)
+    assert torch.equal(layer.weight, w) and layer.weight.data_ptr() == wide.data_ptr()
+    assert layer.weight.stride() == (24, 1) and torch.equal(wide[:, 12:], torch.zeros(10, 12))
+
+
+def test_the_wide_product_is_the_base_plus_each_tokens_delta():
+    g = torch.Generator().manual_seed(0)
+    K, rows, S, R = 16, (8, 8), 4, 3
+    layer = nn.Linear(K, sum(rows), bias=False)
+    A = [torch.randn(S, 1, R, K, generator=g) for _ in rows]
+    B = tuple(torch.randn(S, 1, n, R, generator=g) for n in rows)
+    wide = delta_in_k.widen(layer, B)
+    for slot in range(S):
+        delta_in_k.write_slot(wide, K, B, slot)
+    delta_in_k.write_slot(wide, K, tuple(torch.zeros_like(b) for b in B), 2)  # slot 2 reset: no delta
+    slots = [0, 1, 2, 3, -1, 1]
+    x = torch.randn(len(slots), K, generator=g)
+    x_wide = torch.zeros(len(slots), wide.shape[1])
+    x_wide[:, :K] = x
+    for t, s in enumerate(slots):
+        for i in range(len(rows)):
+            if s >= 0:  # what the norm writes: the token's s_i in its slot's columns of slice i
+                x_wide[t, K + (i * S + s) * R : K + (i * S + s + 1) * R] = A[i][s, 0] @ x[t]
+    got = x_wide @ wide.T
+    for t, s in enumerate(slots):
+        want = layer.weight @ x[t]
+        if s >= 0 and s != 2:
+            want = want + torch.cat([B[i][s, 0] @ (A[i][s, 0] @ x[t]) for i in range(len(rows))])
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_applies_only_where_it_is_on_and_fits(monkeypatch):
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    b = (torch.zeros(2, 1, 4, 2), torch.zeros(2, 1, 4, 2))
+    monkeypatch.setattr(delta_in_k, "ENABLED", True)
+    assert not delta_in_k.applies(w, b, 1), "the CPU: no fused decode path"
+    monkeypatch.setattr(delta_in_k, "ENABLED", False)
+    assert not delta_in_k.applies(w, b, 1), "off"
