@@ -93,6 +93,7 @@
 #                                               test); step_trace Qwen at the defaults
 #   bash benchmarks/gpu/run_device.sh ink29     # gate/up's delta as more K: step_trace Qwen off/on/off, bench_e2e Qwen on,
 #                                               every GPU test with it on
+#   bash benchmarks/gpu/run_device.sh final29   # every GPU test at the defaults; two test files with LORASERVE_DELTA_IN_K=1
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -409,6 +410,10 @@ for stage in "$@"; do
             trace_per_setting 60 qwen2.5-0.5b "" "$k" ""
             e2e_per_setting 80 qwen2.5-0.5b "$k"
             (export $k; gpu_tests 150)
+            ;;
+        final29)  # every GPU test at the defaults; the decoder norms' tests with gate/up's delta as more K on (they pin it off)
+            gpu_tests 150
+            (export LORASERVE_DELTA_IN_K=1; new_tests 60 -n 4 tests/gpu/test_norm_shrink.py tests/gpu/test_row_delta.py)
             ;;
         aug29)  # the LoRA delta as more K of the base GEMM (bench_decode_linear --augmented), the prefetch's tests, the defaults
             timeout 240 python3 benchmarks/gpu/bench_decode_linear.py --augmented 2>&1 | grep -v Warn | tee "$OUT/augmented.txt"
