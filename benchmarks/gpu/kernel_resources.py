@@ -38,7 +38,7 @@ OPS = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate_up", 4096
 # are not do_not_specialize), and the compiler then vectorizes the loads they address. Compiled without
 # these hints (session 8's table) the kernel is not the one that runs.
 SIXTEENS = {"N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", "N0", "N1", "stride_bsp", "stride_bi",
-            "stride_bm", "stride_ws0", "stride_ws1", "stride_ws2"}  # fmt: skip
+            "stride_bm", "stride_ws0", "stride_ws1", "stride_ws2", "x_k_base", "x_shift_row", "x_shift"}  # fmt: skip
 
 
 def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns: int, maxnreg: int = 0, pf_ahead: int = 0,
@@ -63,7 +63,7 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
         CDT=tl.bfloat16, IEEE=False, LORA_CDT=cdt, LORA_IEEE=False, USE_PDL=lora, PDL_CHAIN=True,
         WAIT_FIRST=not lora, TRIGGER_AFTER_WAIT=False, PF_AHEAD=pf_ahead if lora else 0, PF_SLOTS=8,
         PF_LINES=max(1, tiles.block_n * 16 * (2 if lora_dtype in ("bf16", "fp16") else 4) // 128),
-        W_PF_LINES=w_pf_lines, W_PER_LINE=64,
+        W_PF_LINES=w_pf_lines, W_PER_LINE=64, X_SHIFT=False,
     )  # fmt: skip
     options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if maxnreg:

@@ -382,9 +382,10 @@ def _k_loop(x_ptr, w_ptr, row0, N, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, 
             stride_ws1, stride_ws2, N0, N1, S, R: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
             CDT: tl.constexpr, IEEE: tl.constexpr, PF_AHEAD: tl.constexpr, PF_SLOTS: tl.constexpr,
-            PF_LINES: tl.constexpr):  # fmt: skip
+            PF_LINES: tl.constexpr, x_k_base, x_shift, X_SHIFT: tl.constexpr):  # fmt: skip
     """acc (BLOCK_N, BLOCK_M) fp32 = rows [row0, row0 + BLOCK_N) of w (N rows) times x^T over K in [k_lo, k_hi),
-    products in CDT; (PF_AHEAD) PF_AHEAD steps before the end, pull the epilogue's B into L2."""
+    products in CDT; (PF_AHEAD) PF_AHEAD steps before the end, pull the epilogue's B into L2. (X_SHIFT) from
+    column x_k_base on (a multiple of BLOCK_K), x is read x_shift columns further on (``in_k``)."""
     pid_n = row0 // BLOCK_N
     offs_n = row0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -397,6 +398,8 @@ def _k_loop(x_ptr, w_ptr, row0, N, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, 
     if PF_AHEAD > 0:  # the K step at which this program pulls its epilogue's B into L2
         k_pf = k_lo + tl.maximum(tl.cdiv(k_hi - k_lo, BLOCK_K) - PF_AHEAD, 0) * BLOCK_K
     for k in range(k_lo, k_hi, BLOCK_K):
+        if X_SHIFT:  # x's address from the step's K (a select, not a branch: the loads stay pipelined)
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k + tl.where(k >= x_k_base, x_shift, 0) + offs_k)[None, :]
         if PF_AHEAD > 0:
             if k == k_pf:
                 _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S,
@@ -514,6 +517,11 @@ def _decode_linear_kernel(
     PF_LINES: tl.constexpr,  # 128-byte lines of one slot's B for this block's columns (a power of 2)
     W_PF_LINES: tl.constexpr,  # (WAIT_FIRST) 128-byte lines along K of each of our rows pulled into L2 before the wait (0: none)
     W_PER_LINE: tl.constexpr,  # elements of W in 128 bytes
+    # (``in_k``) rows from x_shift_row on read x's columns past x_k_base x_shift columns further on
+    x_k_base,
+    x_shift_row,
+    x_shift,
+    X_SHIFT: tl.constexpr,
 ):
     tl.static_assert((W_PF_LINES == 0 and not TRIGGER_AFTER_WAIT) or WAIT_FIRST,
                      "W's prefetch and the trigger after the wait are for a link that waits before its K loop")
@@ -547,7 +555,8 @@ def _decode_linear_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     acc = _k_loop(x_ptr, src_ptr, row0, n_rows, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, b1_ptr, b2_ptr,
                   stride_ws0, stride_ws1, stride_ws2, N0, N1, S, R, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_K,
-                  EVEN_K, EVEN_N, CDT, IEEE, PF_AHEAD, PF_SLOTS, PF_LINES)  # fmt: skip
+                  EVEN_K, EVEN_N, CDT, IEEE, PF_AHEAD, PF_SLOTS, PF_LINES, x_k_base,
+                  tl.where(row0 >= x_shift_row, x_shift, 0), X_SHIFT)  # fmt: skip
 
     if SPLIT_W == 1:
         _finish(
@@ -617,6 +626,7 @@ def decode_linear(
     after_shrink: bool = False,
     shrink_into: tuple[torch.Tensor, torch.Tensor] | None = None,
     trigger_after_wait: bool = False,
+    in_k: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ weight (N, K)^T (+ bias) (+ the LoRA delta of ``lora``), in x's dtype.
 
@@ -632,10 +642,14 @@ def decode_linear(
     lets the next launch start only after its wait for the kernel before it, so that the next launch, before
     its own wait, may read what that kernel wrote (the norm's shrink of x: ``gated_lora``'s ``s_ready``, the
     rotary launch's qkv delta, ``rotary_kv_cache(delta=...)``).
+    ``in_k`` (k_base, shift_row, shift) (a plain GEMM: ``delta_in_k``): x has ``shift`` more columns than W, and
+    W's rows from shift_row on read x's columns from k_base on ``shift`` further on (a second slice's set of
+    columns past the base K); k_base a multiple of the tiles' K step, shift_row of their column block.
     """
-    M, K = x.shape
-    N = weight.shape[0]
-    assert weight.shape == (N, K), f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}"
+    M = x.shape[0]
+    N, K = weight.shape
+    x_k_base, x_shift_row, x_shift = in_k if in_k is not None else (K, N, 0)
+    assert x.shape[1] == K + x_shift, f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}"
     assert 0 < M <= MAX_TOKENS, f"decode_linear serves 1 to {MAX_TOKENS} tokens, got {M}"
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight must be contiguous along K"
     assert bias is None or (bias.shape == (N,) and bias.stride(0) == 1)
@@ -689,6 +703,11 @@ def decode_linear(
             pf = dict(PF_AHEAD=ahead, PF_SLOTS=triton.next_power_of_2(b0.shape[0]),
                       PF_LINES=triton.next_power_of_2(max(1, tiles.block_n * R * b0.element_size() // 128)))  # fmt: skip
     n_w_blocks = triton.cdiv(N, tiles.block_n)
+    if in_k is not None:
+        assert lora is None and shrink_into is None and not after_shrink, "in_k is for a plain GEMM"
+        assert x_k_base % tiles.block_k == 0 and x_shift_row % tiles.block_n == 0 and x_k_base <= K, (
+            f"in_k {in_k}: k_base a multiple of block_k={tiles.block_k}, shift_row of block_n={tiles.block_n}"
+        )
     if shrink_into is not None:
         a, s = shrink_into
         NA = a.shape[0]
@@ -726,6 +745,7 @@ def decode_linear(
         USE_PDL=pdl, PDL_CHAIN=chain, WAIT_FIRST=chain and not pdl,
         TRIGGER_AFTER_WAIT=chain and not pdl and trigger_after_wait, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         launch_pdl=pdl or chain, W_PF_LINES=w_pf_lines, W_PER_LINE=w_per_line,
+        x_k_base=x_k_base, x_shift_row=x_shift_row, x_shift=x_shift, X_SHIFT=in_k is not None,
         **pf,
         **lora_consts,
     )  # fmt: skip

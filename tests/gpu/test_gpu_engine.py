@@ -156,16 +156,23 @@ def test_delta_in_k_under_graphs_matches_peft(models_kv64, monkeypatch):
     """gate/up's delta as more K of its GEMM (LORASERVE_DELTA_IN_K, ``delta_in_k``): the wider W built when the
     wrappers are (the base weight its view), the norm's wider output taken by the GEMM under CUDA graphs with
     every adapter in the batch, and bf16 logprobs within 2e-2 of HF + PEFT's."""
-    from loraserve.lora.layers import column_parallel_linear as cpl
+    from loraserve.layers import triton_decode_linear as dl
     from loraserve.lora.ops import delta_in_k
 
     monkeypatch.setattr(delta_in_k, "ENABLED", True)
     widths = []
-    real = cpl.linear
-    monkeypatch.setattr(cpl, "linear", lambda x, w, b=None: widths.append(x.shape[1]) or real(x, w, b))
+    real = dl.decode_linear
+
+    def counting(x, w, *a, **k):
+        if k.get("in_k") is not None:
+            widths.append((x.shape[1], w.shape[1]))
+        return real(x, w, *a, **k)
+
+    monkeypatch.setattr(dl, "decode_linear", counting)
     llm, outs = serve(models_kv64, "bfloat16", graphs=True)
     mlps = [layer.mlp.gate_up_proj for layer in llm.engine.model.model.layers]
     assert all(m.w_in_k is not None and m.base_layer.weight.data_ptr() == m.w_in_k.data_ptr() for m in mlps)
-    assert 128 + 2 * 8 * 16 in widths, f"the wider x (K 128 + 2 slices x 8 slots x rank 16) was not taken: {widths}"
+    # K 128; 8 slots of rank 16: W 128 more columns, x one set a slice
+    assert (128 + 2 * 8 * 16, 128 + 8 * 16) in widths, f"the wider x and W were not taken: {widths}"
     diffs = hf_diffs(models_kv64, outs, torch.bfloat16)
     assert max(diffs) <= 2e-2, diffs

@@ -1,6 +1,6 @@
-"""The layout of ``delta_in_k`` (a projection's LoRA delta as more K of its GEMM): the widened weight and its
-base view, each slot's B in its columns, and [x | s] @ [W | B]^T = x W^T + s B^T per token. Pure torch (the
-GPU path, with the norm writing s, is tests/gpu/test_gpu_engine.py's and test_norm_shrink.py's)."""
+"""The layout of ``delta_in_k`` (gate/up's LoRA delta as more K of its GEMM): the widened weight and its base
+view, each slot's B in its columns for each slice's rows, and the product it stands for: each slice's rows
+times [x | that slice's s] = x W^T + s_i B_i^T per token. Pure torch (the kernels: tests/gpu/test_delta_in_k.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ def test_widen_keeps_the_base_weight_as_a_view():
     w = layer.weight.detach().clone()
     b = (torch.zeros(3, 1, 4, 2), torch.zeros(3, 1, 6, 2))  # 2 slices (4 + 6 rows), 3 slots, rank 2
     wide = delta_in_k.widen(layer, b)
-    assert wide.shape == (10, 12 + 2 * 3 * 2)
+    assert wide.shape == (10, 12 + 3 * 2)
     assert torch.equal(layer.weight, w) and layer.weight.data_ptr() == wide.data_ptr()
-    assert layer.weight.stride() == (24, 1) and torch.equal(wide[:, 12:], torch.zeros(10, 12))
+    assert layer.weight.stride() == (18, 1) and torch.equal(wide[:, 12:], torch.zeros(10, 6))
+    assert delta_in_k.gemm_args(12, b) == (12, 4, 6)
 
 
 def test_the_wide_product_is_the_base_plus_each_tokens_delta():
@@ -32,13 +33,13 @@ def test_the_wide_product_is_the_base_plus_each_tokens_delta():
     delta_in_k.write_slot(wide, K, tuple(torch.zeros_like(b) for b in B), 2)  # slot 2 reset: no delta
     slots = [0, 1, 2, 3, -1, 1]
     x = torch.randn(len(slots), K, generator=g)
-    x_wide = torch.zeros(len(slots), wide.shape[1])
+    x_wide = torch.zeros(len(slots), K + len(rows) * S * R)
     x_wide[:, :K] = x
     for t, s in enumerate(slots):
         for i in range(len(rows)):
-            if s >= 0:  # what the norm writes: the token's s_i in its slot's columns of slice i
+            if s >= 0:  # what the norm writes: the token's s_i in its slot's columns of slice i's set
                 x_wide[t, K + (i * S + s) * R : K + (i * S + s + 1) * R] = A[i][s, 0] @ x[t]
-    got = x_wide @ wide.T
+    got = delta_in_k.reference(x_wide, wide, K, B)
     for t, s in enumerate(slots):
         want = layer.weight @ x[t]
         if s >= 0 and s != 2:

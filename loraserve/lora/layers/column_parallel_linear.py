@@ -15,12 +15,7 @@ from torch import nn
 
 from loraserve.distributed.comm import tp_all_gather
 from loraserve.layers.activation import SiluAndMul
-from loraserve.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    linear,
-)
+from loraserve.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear
 from loraserve.lora.layers.base_linear import BaseLinearLayerWithLoRA
 from loraserve.lora.ops import delta_in_k
 
@@ -129,7 +124,12 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
         base = self.base_layer
         in_k, self._in_k_input = getattr(self, "_in_k_input", None), None
         if in_k is not None and in_k[0] is x:
-            return act(linear(in_k[1], self.w_in_k, base.bias))
+            from loraserve.layers import (
+                triton_decode_linear,  # the fused path runs on the GPU: triton is importable
+            )
+
+            k_args = delta_in_k.gemm_args(self.input_size, self.lora_b_stacked)
+            return act(triton_decode_linear.decode_linear(in_k[1], self.w_in_k, base.bias, in_k=k_args))
         if isinstance(act, SiluAndMul) and not base.gather_output and self.n_slices == 2 and self._fusable():
             pending = self._shrunk_input
             then_shrink = getattr(feeds, "fused_shrink_operands", None)

@@ -1,19 +1,25 @@
-"""A packed projection's LoRA delta as more K of its base GEMM (opt-in, ``LORASERVE_DELTA_IN_K=1``; gate/up of
-small models, decode steps on the GPU).
+"""gate/up's LoRA delta as more K of its base GEMM (opt-in, ``LORASERVE_DELTA_IN_K=1``; small models, decode
+steps on the GPU).
 
-    [x | s] @ [W | B]^T = x W^T + s B^T
+    y[rows of slice i] = [x | s_i] @ [W | B_i]^T = x W^T + s_i B_i^T
 
-W gets n * S * R more columns (n slices, S slots, rank R): the columns of slice i, slot j, rank r hold B_i[j][:, r]
-in the rows of slice i (zeros in the other slices' rows). x gets the same columns: the norm before the
-projection, which computes the shrink s_i = A_i[slot(t)] x_t anyway (``norm_shrink``), writes it (rounded to
-x's dtype, as PEFT's bf16 lora_A output is) into its token's slot's columns of each slice and zeros in the
-others. One plain GEMM then gives base + delta, rounded once; no expand, no epilogue, and gate/up's activation
-is the plain SiLU-and-mul. Why: session 29's critical path (``step_trace.py``, H100, Qwen2.5-0.5B, 8 adapters)
-puts 3.4-3.7 µs a layer on gate/up's delta today, and ``bench_decode_linear.py --augmented`` times this at 1.6
-µs (0.6 with a K loop that reads only its slice's columns, not built) against today's 3.1 in isolation.
+W gets S * R more columns (S slots, rank R): column K + j*R + r holds, in the rows of slice i (gate, up),
+B_i[j][:, r]. x gets n * S * R more: the norm before the projection, which computes the shrink s_i =
+A_i[slot(t)] x_t anyway (``norm_shrink(in_k=True)``), writes s_i (rounded to x's dtype, as PEFT's bf16 lora_A
+output is) into column K + (i*S + j)*R + r where j is its token's slot, zeros in the other slots'. The decode
+GEMM reads, for the rows of slice i, x's set of slice i past K (``decode_linear(in_k=...)``: the rows of the
+second slice read x's columns past K S*R further on). One GEMM then gives base + delta, rounded once: no
+expand, no epilogue, and gate/up's activation is the plain SiLU-and-mul.
+
+Why: session 29's critical path (``step_trace.py``, H100, Qwen2.5-0.5B, 8 adapters) puts 3.4-3.7 µs a layer on
+gate/up's delta today; ``bench_decode_linear.py --augmented`` times 128 more columns at 0.6 µs alone (256, a
+plain GEMM over every slice's set, at 1.6) against today's 3.1. Measured in the engine (session 29) in the
+plain form, 256 more columns of W: slower, 1.141-1.144 -> 1.153 ms (the SiLU-and-mul's +3.5 µs in the layer's
+critical path gone, but the GEMM +3.3 and the norm about +1); parity vs HF + PEFT 0.0118 (the default 0.0087).
+This form (128 more columns) is untimed.
 
 Storage: the wider W is allocated once, when the LoRA wrapper is created (before any CUDA graph is captured),
-and the base layer's weight becomes a view of its first K columns (the same numbers, row stride K + n*S*R:
+and the base layer's weight becomes a view of its first K columns (the same numbers, row stride K + S*R:
 cuBLAS and ``decode_linear`` take it), so the base model costs no more memory and reads no more bytes. B's
 columns are written by ``set_lora`` / ``reset_lora`` in place (a captured graph reads the new slot).
 
@@ -27,15 +33,17 @@ import os
 
 import torch
 
-# Off by default until timed in the engine; a module attribute
+# Opt-in (measured slower, above); a module attribute
 ENABLED = os.environ.get("LORASERVE_DELTA_IN_K", "0") == "1"
 MAX_K = 1536  # the hidden sizes where it is taken (gated_lora.GATED_MAX_K's small models; Llama-8B's gate_up: 5.6 vs 5.1 µs)
 
 
 def applies(weight: torch.Tensor, lora_b_stacked: tuple[torch.Tensor, ...], tp_size: int) -> bool:
-    """Whether a layer of this base weight (N, K) and B stacks (S, 1, N_i, R) per slice takes its delta as more K."""
+    """Whether a layer of this base weight (N, K) and B stacks (S, 1, N_i, R) per slice, two slices, takes its delta
+    as more K."""
     return (
         ENABLED
+        and len(lora_b_stacked) == 2
         and weight.is_cuda
         and tp_size == 1
         and weight.dim() == 2
@@ -46,29 +54,45 @@ def applies(weight: torch.Tensor, lora_b_stacked: tuple[torch.Tensor, ...], tp_s
     )
 
 
-def extra_columns(lora_b_stacked: tuple[torch.Tensor, ...]) -> int:
-    """n * S * R: the columns past K, slice by slice, slot by slot, rank by rank."""
+def slot_columns(lora_b_stacked: tuple[torch.Tensor, ...]) -> int:
+    """S * R: W's columns past K (slot by slot, rank by rank); x has that many per slice."""
     S, _, _, R = lora_b_stacked[0].shape
-    return len(lora_b_stacked) * S * R
+    return S * R
 
 
 def widen(layer: torch.nn.Module, lora_b_stacked: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The (N, K + n*S*R) weight: W in its first K columns, zeros past them; ``layer.weight`` becomes the view
+    """The (N, K + S*R) weight: W in its first K columns, zeros past them; ``layer.weight`` becomes the view
     of its first K columns (the old storage is freed). Call before any CUDA graph reads the weight."""
     w = layer.weight
     N, K = w.shape
-    wide = torch.zeros(N, K + extra_columns(lora_b_stacked), dtype=w.dtype, device=w.device)
+    wide = torch.zeros(N, K + slot_columns(lora_b_stacked), dtype=w.dtype, device=w.device)
     wide[:, :K] = w
     layer.weight.data = wide[:, :K]
     return wide
 
 
 def write_slot(wide: torch.Tensor, K: int, lora_b_stacked: tuple[torch.Tensor, ...], slot: int) -> None:
-    """Slot ``slot``'s B of every slice into its columns (in its slice's rows), rounded to the weight's dtype."""
-    S, _, _, R = lora_b_stacked[0].shape
-    row = 0
-    for i, b in enumerate(lora_b_stacked):
+    """Slot ``slot``'s B of every slice into its columns, in that slice's rows, rounded to the weight's dtype."""
+    R = lora_b_stacked[0].shape[3]
+    row, col = 0, K + slot * R
+    for b in lora_b_stacked:
         n = b.shape[2]
-        col = K + (i * S + slot) * R
         wide[row : row + n, col : col + R] = b[slot, 0].to(wide.dtype)
         row += n
+
+
+def gemm_args(K: int, lora_b_stacked: tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+    """``decode_linear``'s ``in_k``: from column K on, the second slice's rows read x S*R columns further on."""
+    return K, lora_b_stacked[0].shape[2], slot_columns(lora_b_stacked)
+
+
+def reference(x_wide: torch.Tensor, wide: torch.Tensor, K: int, lora_b_stacked: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The product the decode GEMM computes with ``gemm_args``, in torch (fp32): each slice's rows times x's first
+    K columns and that slice's set past them."""
+    SR, out, row = slot_columns(lora_b_stacked), [], 0
+    for i, b in enumerate(lora_b_stacked):
+        n = b.shape[2]
+        xi = torch.cat([x_wide[:, :K], x_wide[:, K + i * SR : K + (i + 1) * SR]], dim=1).float()
+        out.append(xi @ wide[row : row + n].float().T)
+        row += n
+    return torch.cat(out, dim=1)
