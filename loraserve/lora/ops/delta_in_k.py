@@ -16,7 +16,7 @@ gate/up's delta today; ``bench_decode_linear.py --augmented`` times 128 more col
 plain GEMM over every slice's set, at 1.6) against today's 3.1. Measured in the engine (session 29) in the
 plain form, 256 more columns of W: slower, 1.141-1.144 -> 1.153 ms (the SiLU-and-mul's +3.5 µs in the layer's
 critical path gone, but the GEMM +3.3 and the norm about +1); parity vs HF + PEFT 0.0118 (the default 0.0087).
-This form (128 more columns) is untimed.
+This form (128 more columns) is untimed (``run_device.sh slice29``).
 
 Storage: the wider W is allocated once, when the LoRA wrapper is created (before any CUDA graph is captured),
 and the base layer's weight becomes a view of its first K columns (the same numbers, row stride K + S*R:
