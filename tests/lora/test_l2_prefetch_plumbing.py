@@ -5,17 +5,20 @@ modules after the model is built). The prefetch itself runs on the GPU (tests/gp
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loraserve import LLM
 from loraserve.lora.layers import BaseLayerWithLoRA
-from loraserve.lora.ops.triton import l2_prefetch
 from tests.helpers import make_tiny_model
 
 
 def test_region_table_lists_each_stack_by_slot(monkeypatch):
     """A row per stack: its address, the bytes between two slots and the bytes of a slot; one table per set
     of stacks (the same tensor again); none when the prefetch is off or there is nothing to prefetch."""
+    pytest.importorskip("triton")  # the module holds the kernel helper too
+    from loraserve.lora.ops.triton import l2_prefetch
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(l2_prefetch, "ENABLED", True)  # opt-in (LORASERVE_LORA_L2_PREFETCH=1)
     a = torch.zeros(8, 1, 16, 896, dtype=torch.float16)
