@@ -47,10 +47,37 @@ def test_the_wide_product_is_the_base_plus_each_tokens_delta():
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
 
 
-def test_applies_only_where_it_is_on_and_fits(monkeypatch):
-    w = torch.zeros(8, 16, dtype=torch.bfloat16)
-    b = (torch.zeros(2, 1, 4, 2), torch.zeros(2, 1, 4, 2))
+def test_it_fits_only_the_shapes_its_gemm_takes():
+    b = lambda n, S=8, R=16: torch.zeros(S, 1, n, R)  # noqa: E731
+    assert delta_in_k.fits(torch.zeros(2 * 4864, 896, dtype=torch.bfloat16), (b(4864), b(4864))), "Qwen2.5-0.5B's gate/up"
+    assert not delta_in_k.fits(torch.zeros(2 * 1536, 576, dtype=torch.bfloat16), (b(1536), b(1536))), (
+        "SmolLM2-135M's K 576: not a multiple of the GEMM's K step, the second slice's columns would start inside one"
+    )
+    assert not delta_in_k.fits(torch.zeros(2 * 96, 128, dtype=torch.bfloat16), (b(96), b(96))), "a block across slices"
+    assert not delta_in_k.fits(torch.zeros(256, 128), (b(128), b(128))), "fp32: no half-precision decode GEMM"
+    assert not delta_in_k.fits(torch.zeros(2 * 8192, 2048, dtype=torch.bfloat16), (b(8192), b(8192))), "past MAX_K"
+    assert not delta_in_k.fits(torch.zeros(384, 128, dtype=torch.bfloat16), (b(128), b(128), b(128))), "3 slices"
+
+
+def test_applies_only_where_it_is_on(monkeypatch):
+    w = torch.zeros(256, 128, dtype=torch.bfloat16)
+    b = (torch.zeros(2, 1, 128, 2), torch.zeros(2, 1, 128, 2))
+    assert delta_in_k.fits(w, b)
     monkeypatch.setattr(delta_in_k, "ENABLED", True)
-    assert not delta_in_k.applies(w, b, 1), "the CPU: no fused decode path"
+    assert not delta_in_k.applies(w, b, 1, False), "the CPU: no fused decode path"
     monkeypatch.setattr(delta_in_k, "ENABLED", False)
-    assert not delta_in_k.applies(w, b, 1), "off"
+    assert not delta_in_k.applies(w, b, 1, False), "off"
+
+
+def test_a_b_past_the_weights_range_is_refused():
+    """Every token's product reads every slot's columns: a B that overflows W's dtype would reach them all."""
+    layer = nn.Linear(128, 256, bias=False).half()
+    B = (torch.full((2, 1, 128, 4), 1e6), torch.zeros(2, 1, 128, 4))
+    wide = delta_in_k.widen(layer, B)
+    try:
+        delta_in_k.write_slot(wide, 128, B, 1)
+    except ValueError as e:
+        assert "LORASERVE_DELTA_IN_K" in str(e) and "slot 1" in str(e)
+    else:
+        raise AssertionError("an fp16 overflow was written")
+    assert torch.equal(wide[:, 128:], torch.zeros(256, 8, dtype=torch.float16)), "nothing written"

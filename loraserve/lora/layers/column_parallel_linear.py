@@ -82,7 +82,8 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
         # the delta as more K of the GEMM (delta_in_k, opt-in): W widened now, before any graph reads it
         self.w_in_k: torch.Tensor | None = None
         self._in_k_input: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.n_slices == 2 and delta_in_k.applies(self.base_layer.weight, self.lora_b_stacked, self.tp_size):
+        sharded = bool(getattr(lora_config, "fully_sharded_loras", False))
+        if self.n_slices == 2 and delta_in_k.applies(self.base_layer.weight, self.lora_b_stacked, self.tp_size, sharded):
             self.w_in_k = delta_in_k.widen(self.base_layer, self.lora_b_stacked)
 
     def reset_lora(self, index: int) -> None:
@@ -129,7 +130,8 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
             )
 
             k_args = delta_in_k.gemm_args(self.input_size, self.lora_b_stacked)
-            return act(triton_decode_linear.decode_linear(in_k[1], self.w_in_k, base.bias, in_k=k_args))
+            tiles = triton_decode_linear.default_tiles(x.shape[0], *self.w_in_k.shape, x.dtype, self.output_slices)
+            return act(triton_decode_linear.decode_linear(in_k[1], self.w_in_k, base.bias, tiles=tiles, in_k=k_args))
         if isinstance(act, SiluAndMul) and not base.gather_output and self.n_slices == 2 and self._fusable():
             pending = self._shrunk_input
             then_shrink = getattr(feeds, "fused_shrink_operands", None)

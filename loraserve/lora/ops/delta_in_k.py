@@ -36,22 +36,30 @@ import torch
 # Opt-in (measured slower, above); a module attribute
 ENABLED = os.environ.get("LORASERVE_DELTA_IN_K", "0") == "1"
 MAX_K = 1536  # the hidden sizes where it is taken (gated_lora.GATED_MAX_K's small models; Llama-8B's gate_up: 5.6 vs 5.1 µs)
+# The decode GEMM's K step and its largest column block (triton_decode_linear.default_tiles: 128 each)
+K_STEP = 128
 
 
-def applies(weight: torch.Tensor, lora_b_stacked: tuple[torch.Tensor, ...], tp_size: int) -> bool:
-    """Whether a layer of this base weight (N, K) and B stacks (S, 1, N_i, R) per slice, two slices, takes its delta
-    as more K."""
+def fits(weight: torch.Tensor, lora_b_stacked: tuple[torch.Tensor, ...]) -> bool:
+    """Whether this base weight (N, K) and two slices' B stacks (S, 1, N_i, R) have the shapes the path takes: half
+    precision, K at most MAX_K and a multiple of the decode GEMM's K step (the second slice's columns start on a
+    step), each slice a multiple of its largest column block (a block never straddles the two slices)."""
     return (
-        ENABLED
-        and len(lora_b_stacked) == 2
-        and weight.is_cuda
-        and tp_size == 1
+        len(lora_b_stacked) == 2
         and weight.dim() == 2
         and weight.dtype in (torch.float16, torch.bfloat16)
-        and weight.shape[1] <= MAX_K
         and weight.is_contiguous()
+        and weight.shape[1] <= MAX_K
+        and weight.shape[1] % K_STEP == 0
+        and all(b.shape[2] % K_STEP == 0 for b in lora_b_stacked)
         and sum(b.shape[2] for b in lora_b_stacked) == weight.shape[0]
     )
+
+
+def applies(weight: torch.Tensor, lora_b_stacked: tuple[torch.Tensor, ...], tp_size: int, sharded: bool) -> bool:
+    """Whether a layer takes its delta as more K: on (ENABLED), on the GPU, one rank, not the fully sharded wrappers
+    (their own set_lora), and shapes that ``fits``."""
+    return ENABLED and weight.is_cuda and tp_size == 1 and not sharded and fits(weight, lora_b_stacked)
 
 
 def slot_columns(lora_b_stacked: tuple[torch.Tensor, ...]) -> int:
@@ -74,11 +82,18 @@ def widen(layer: torch.nn.Module, lora_b_stacked: tuple[torch.Tensor, ...]) -> t
 def write_slot(wide: torch.Tensor, K: int, lora_b_stacked: tuple[torch.Tensor, ...], slot: int) -> None:
     """Slot ``slot``'s B of every slice into its columns, in that slice's rows, rounded to the weight's dtype."""
     R = lora_b_stacked[0].shape[3]
+    rounded = [b[slot, 0].to(wide.dtype) for b in lora_b_stacked]
+    # every token's product reads every slot's columns (times zeros where the slot is not its own): a value past
+    # the dtype's range would reach every request, where the default path keeps it to the adapter's own tokens
+    if not all(torch.isfinite(r).all() for r in rounded):
+        raise ValueError(
+            f"slot {slot}: a LoRA B value is past {wide.dtype}'s range (or not finite), which LORASERVE_DELTA_IN_K "
+            "would add to every token's product: serve this adapter without it (unset LORASERVE_DELTA_IN_K)"
+        )
     row, col = 0, K + slot * R
-    for b in lora_b_stacked:
-        n = b.shape[2]
-        wide[row : row + n, col : col + R] = b[slot, 0].to(wide.dtype)
-        row += n
+    for r in rounded:
+        wide[row : row + r.shape[0], col : col + R] = r
+        row += r.shape[0]
 
 
 def gemm_args(K: int, lora_b_stacked: tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
