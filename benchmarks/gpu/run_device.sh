@@ -133,6 +133,16 @@ trace_per_setting() {  # step_trace once per setting; $1: timeout, $2: the shape
         env $knobs timeout "$limit" python3 benchmarks/gpu/step_trace.py --shapes "$shape" ${TRACE_EXTRA:-} --out "/tmp/traces_${shape}_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_$shape.txt" | grep "graph replay"
     done
 }
+raw_traces_per_setting() {  # trace_per_setting, each setting's kernel traces under $OUT (numbered: settings repeat)
+    local limit=$1 shape=$2 i=0
+    shift 2
+    for knobs in "$@"; do
+        i=$((i + 1))
+        name=${i}_$(echo "${knobs:-default}" | tr ' =,' '___')
+        echo "### step_trace $shape: ${knobs:-default}" | tee -a "$OUT/step_trace_$shape.txt"
+        env $knobs timeout "$limit" python3 benchmarks/gpu/step_trace.py --shapes "$shape" --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_$shape.txt" | grep "graph replay"
+    done
+}
 for stage in "$@"; do
     start=$SECONDS
     case "$stage" in
@@ -429,25 +439,13 @@ for stage in "$@"; do
             trace_per_setting 60 qwen2.5-0.5b ""
             ;;
         pf29)  # the attention's LoRA L2 prefetch: Qwen's critical path on and off (raw traces back), every GPU test, Llama-8B, e2e
-            i=0
-            for k in "" "LORASERVE_LORA_L2_PREFETCH=0" ""; do
-                i=$((i + 1))
-                name=${i}_$(echo "${k:-default}" | tr ' =,' '___')
-                echo "### step_trace qwen2.5-0.5b: ${k:-default}" | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt"
-                env $k timeout 60 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt" | grep "graph replay"
-            done
+            raw_traces_per_setting 60 qwen2.5-0.5b "" "LORASERVE_LORA_L2_PREFETCH=0" ""
             gpu_tests 150
             trace_per_setting 120 llama-3.1-8b "" "LORASERVE_LORA_L2_PREFETCH=0"
             e2e_per_setting 80 qwen2.5-0.5b "" "LORASERVE_LORA_L2_PREFETCH=0"
             ;;
         cp29)  # the critical path of a Qwen layer, kernel by kernel, base vs 8 adapters; the raw traces come back
-            i=0
-            for k in "" "LORASERVE_GATED_LORA=0" ""; do
-                i=$((i + 1))
-                name=${i}_$(echo "${k:-default}" | tr ' =,' '___')
-                echo "### step_trace qwen2.5-0.5b: ${k:-default}" | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt"
-                env $k timeout 60 python3 benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b --out "$OUT/traces_$name" 2>&1 | grep -v Warn | tee -a "$OUT/step_trace_qwen2.5-0.5b.txt" | grep "graph replay"
-            done
+            raw_traces_per_setting 60 qwen2.5-0.5b "" "LORASERVE_GATED_LORA=0" ""
             ;;
         bn27)  # conf27 without every GPU test and bench_e2e (the end of session 27's device time)
             g=LORASERVE_GATED_BLOCK_N=128
