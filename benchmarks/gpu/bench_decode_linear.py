@@ -417,7 +417,8 @@ def gated(layers: int, configs=((64, 4), (64, 8), (128, 8))) -> None:
 
 
 def _augmented_times(name: str, K: int, slices: tuple[int, ...], layers: int, S: int, R: int) -> tuple[float, ...]:
-    """(base, K + S*R, K + n*S*R, today's LoRA without its shrink) µs per op of one shape (``augmented``)."""
+    """(base, K + S*R, K + n*S*R, the in_k GEMM, today's LoRA without its shrink) µs per op of one shape
+    (``augmented``; the in_k GEMM for two slices only: decode_linear's in_k, ``delta_in_k``'s layout)."""
     from loraserve.layers.triton_elementwise import silu_and_mul
     from loraserve.lora.ops.triton import gated_lora
     from loraserve.lora.ops.triton.gated_lora import silu_and_mul_lora
@@ -426,12 +427,14 @@ def _augmented_times(name: str, K: int, slices: tuple[int, ...], layers: int, S:
     case = Case(K, slices, 32, layers, lora_dtype=torch.float16, S=S, R=R)
     N = case.N
 
-    def plain(k_extra: int) -> float:
-        x = torch.zeros(32, K + k_extra, device=DEV, dtype=torch.bfloat16)
+    def plain(k_extra: int, in_k: bool = False) -> float:
+        # in_k: W k_extra more columns, x one set a slice, each slice's rows reading its own (decode_linear's in_k)
+        x = torch.zeros(32, K + k_extra * (len(slices) if in_k else 1), device=DEV, dtype=torch.bfloat16)
         x[:, :K] = case.x
         ws = [torch.zeros(N, K + k_extra, device=DEV, dtype=torch.bfloat16) for _ in case.ws]
-        tiles = dl.default_tiles(32, N, K + k_extra, torch.bfloat16)
-        return graph_us(lambda: [act(dl.decode_linear(x, w, tiles=tiles)) for w in ws], layers)
+        tiles = dl.default_tiles(32, N, K + k_extra, torch.bfloat16, slices if in_k else None)
+        k_args = (K, slices[0], k_extra) if in_k else None
+        return graph_us(lambda: [act(dl.decode_linear(x, w, tiles=tiles, in_k=k_args)) for w in ws], layers)
 
     ops = TritonLoRAOps(DEV)
     rank_dev = ops.ranks_tensor(case.ranks)
@@ -447,7 +450,8 @@ def _augmented_times(name: str, K: int, slices: tuple[int, ...], layers: int, S:
             else:
                 act(dl.decode_linear(case.x, w, lora=dl.ExpandEpilogue(buf, B, slots), tiles=tiles))
 
-    return plain(0), plain(S * R), plain(len(slices) * S * R), graph_us(today, layers)
+    per_slice = plain(S * R, in_k=True) if len(slices) == 2 and K % 128 == 0 else float("nan")
+    return plain(0), plain(S * R), plain(len(slices) * S * R), per_slice, graph_us(today, layers)
 
 
 def augmented(layers: int, S: int = 8, R: int = 16) -> None:
@@ -457,15 +461,18 @@ def augmented(layers: int, S: int = 8, R: int = 16) -> None:
     µs per op (gate_up: with its SiLU-and-mul): the base GEMM; the GEMM over K + S*R (one set of columns, which a
     K loop that picks each slice's set needs) and over K + n*S*R (n slices' sets: a plain GEMM); and today's
     LoRA path without its shrink (computed outside the graph, as the norms and GEMMs compute it beside
-    something else): the epilogue, or for gate_up where ``gated_lora.prefer`` the plain GEMM and silu_and_mul_lora."""
-    print("| model | op | K | base µs | K + S*R µs | K + n*S*R µs | today's LoRA without its shrink µs | "
-          "LoRA cost: K + S*R / K + n*S*R / today |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---|")
+    something else): the epilogue, or for gate_up where ``gated_lora.prefer`` the plain GEMM and silu_and_mul_lora.
+    And for two slices the GEMM that ``delta_in_k`` runs (W S*R more columns, each slice's rows reading its set of
+    x's: ``decode_linear(in_k=...)``)."""
+    print("| model | op | K | base µs | K + S*R µs | K + n*S*R µs | in_k GEMM µs | today's LoRA without its shrink µs | "
+          "LoRA cost: K + S*R / K + n*S*R / in_k / today |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for model in ("qwen-0.5b", "llama-8b"):
         for name, K, slices in SHAPES[model][:4]:
-            t_base, t_one, t_all, t_now = _augmented_times(name, K, slices, layers, S, R)
-            print(f"| {model} | {name} | {K} | {t_base:.1f} | {t_one:.1f} | {t_all:.1f} | {t_now:.1f} | "
-                  f"{t_one - t_base:.1f} / {t_all - t_base:.1f} / {t_now - t_base:.1f} |", flush=True)  # fmt: skip
+            t_base, t_one, t_all, t_in_k, t_now = _augmented_times(name, K, slices, layers, S, R)
+            print(f"| {model} | {name} | {K} | {t_base:.1f} | {t_one:.1f} | {t_all:.1f} | {t_in_k:.1f} | {t_now:.1f} | "
+                  f"{t_one - t_base:.1f} / {t_all - t_base:.1f} / {t_in_k - t_base:.1f} / {t_now - t_base:.1f} |",
+                  flush=True)  # fmt: skip
             torch.cuda.empty_cache()
 
 

@@ -95,7 +95,7 @@
 #                                               every GPU test with it on
 #   bash benchmarks/gpu/run_device.sh final29   # every GPU test at the defaults; two test files with LORASERVE_DELTA_IN_K=1
 #   bash benchmarks/gpu/run_device.sh slice29   # gate/up's delta as more K with each slice's set: step_trace Qwen off/on,
-#                                               its tests, bench_e2e Qwen on
+#                                               its tests, bench_e2e Qwen on, bench_decode_linear --augmented (its GEMM alone)
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -428,6 +428,7 @@ for stage in "$@"; do
             trace_per_setting 50 qwen2.5-0.5b "" "$k"
             new_tests 60 -n 4 tests/gpu/test_delta_in_k.py tests/gpu/test_gpu_engine.py -k "delta_in_k or more_columns or reads_each"
             e2e_per_setting 60 qwen2.5-0.5b "$k"
+            timeout 240 python3 benchmarks/gpu/bench_decode_linear.py --augmented 2>&1 | grep -v Warn | tee "$OUT/augmented.txt"
             ;;
         final29)  # every GPU test at the defaults; the decoder norms' tests with gate/up's delta as more K on (they pin it off)
             gpu_tests 150
