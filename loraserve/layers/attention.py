@@ -182,12 +182,12 @@ class Attention(nn.Module):
         """(region table, token slots) of the LoRA weights ``lora_prefetch_from`` read on this step, for the Triton
         kernel to pull into L2 (``l2_prefetch``, opt-in: measured slower): on a decode step whose LoRA takes the fused path
         in those modules (``l2_prefetch_stacks``); else None."""
+        mapping = current_lora_mapping()
+        if self.lora_prefetch_from is None or md.max_query_len > 1 or mapping is None or not mapping.has_lora:
+            return None
         from loraserve.lora.ops.triton import l2_prefetch  # the kernel is bound: triton is importable
 
-        mapping = current_lora_mapping()
-        if not l2_prefetch.ENABLED or self.lora_prefetch_from is None or md.max_query_len > 1:
-            return None
-        if mapping is None or not mapping.has_lora:
+        if not l2_prefetch.ENABLED:
             return None
         mods = self.lora_prefetch_from()
         stacks = [t for m in mods if hasattr(m, "l2_prefetch_stacks") for t in m.l2_prefetch_stacks()]

@@ -62,6 +62,9 @@ class ColumnParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
 
 class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
     n_packed = 2
+    # (delta_in_k) the widened W, where this layer takes its delta as more K; the norm's wider output for the next call
+    w_in_k: torch.Tensor | None = None
+    _in_k_input: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, base_layer: MergedColumnParallelLinear):
         BaseLinearLayerWithLoRA.__init__(self, base_layer)
@@ -80,8 +83,6 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
     def create_lora_weights(self, max_loras: int, lora_config, model_config=None) -> None:
         super().create_lora_weights(max_loras, lora_config, model_config)
         # the delta as more K of the GEMM (delta_in_k, opt-in): W widened now, before any graph reads it
-        self.w_in_k: torch.Tensor | None = None
-        self._in_k_input: tuple[torch.Tensor, torch.Tensor] | None = None
         sharded = bool(getattr(lora_config, "fully_sharded_loras", False))
         if self.n_slices == 2 and delta_in_k.applies(self.base_layer.weight, self.lora_b_stacked, self.tp_size, sharded):
             self.w_in_k = delta_in_k.widen(self.base_layer, self.lora_b_stacked)
@@ -95,7 +96,7 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
         self._write_in_k(index)
 
     def _write_in_k(self, index: int) -> None:
-        if getattr(self, "w_in_k", None) is not None:
+        if self.w_in_k is not None:
             delta_in_k.write_slot(self.w_in_k, self.input_size, self.lora_b_stacked, index)
 
     def fuse_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, delta=None):
@@ -123,11 +124,10 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
         Where the norm wrote x with its shrink as more columns (``fuse_norm``, ``delta_in_k``): one plain GEMM
         of that wider x and the wider W, then act."""
         base = self.base_layer
-        in_k, self._in_k_input = getattr(self, "_in_k_input", None), None
+        in_k, self._in_k_input = self._in_k_input, None
         if in_k is not None and in_k[0] is x:
-            from loraserve.layers import (
-                triton_decode_linear,  # the fused path runs on the GPU: triton is importable
-            )
+            # the norm took the fused path: on the GPU, so triton is importable
+            from loraserve.layers import triton_decode_linear
 
             k_args = delta_in_k.gemm_args(self.input_size, self.lora_b_stacked)
             tiles = triton_decode_linear.default_tiles(x.shape[0], *self.w_in_k.shape, x.dtype, self.output_slices)
