@@ -105,22 +105,23 @@ def norm_shrink_resources() -> None:
     from loraserve.lora.ops.triton import norm_shrink as ns
 
     fn = ns._norm_shrink_kernel
-    print("| K | A | warps | ranks a program | registers | spill bytes |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for K, adt in ((896, "*fp16"), (1536, "*fp16"), (2048, "*bf16"), (4096, "*fp16")):
+    print("| K | A | fold | warps | ranks a program | registers | spill bytes |")
+    print("|---:|---|---|---:|---:|---:|---:|")
+    for K, adt, fold in ((896, "*fp16", False), (896, "*fp16", True), (1536, "*fp16", False), (2048, "*bf16", False),
+                         (2048, "*bf16", True), (4096, "*fp16", False), (4096, "*fp16", True)):  # fmt: skip
         block = triton.next_power_of_2(K)
         ptrs = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", r_out_ptr="*bf16", a0_ptr=adt,
                     a1_ptr=adt, a2_ptr=adt, buf_ptr="*fp32", slots_ptr="*i64", rank_ptr="*i32", d_buf_ptr="*fp32",
                     d_b_ptr="*fp16", d_slots_ptr="*i32")  # fmt: skip
         consts = dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True,
                       W_EARLY=tew.NORM_WEIGHT_EARLY, HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32,
-                      IN_K=False, S_POW2=8)
+                      IN_K=False, S_POW2=8, FOLD=fold)
         # K and its multiples (stride_ar is K) are multiples of 16 at these shapes
         sixteens = {"N", "stride_x", "stride_r", "stride_o", "stride_ro", "stride_as", "stride_ar", "stride_bi", "stride_bm"}
         warps = tew.norm_warps(block)
         k = compile_as_launched(fn, ptrs, consts, sixteens, dict(num_warps=warps))
         regs, stack = registers_and_stack(k)
-        print(f"| {K} | {adt[1:]} | {warps} | {ns.BLOCK_R} | {regs} | {stack} |", flush=True)
+        print(f"| {K} | {adt[1:]} | {'yes' if fold else 'no'} | {warps} | {ns.BLOCK_R} | {regs} | {stack} |", flush=True)
 
 
 def norm_delta_resources() -> None:
@@ -145,8 +146,10 @@ def norm_delta_resources() -> None:
                  {**dict.fromkeys(rows, "*bf16"), **dict.fromkeys(("a0_ptr", "a1_ptr", "a2_ptr"), "*fp16"),
                   "buf_ptr": "*fp32", "slots_ptr": "*i64", "rank_ptr": "*i32"},
                  dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True,
-                      W_EARLY=tew.NORM_WEIGHT_EARLY, IN_K=False, S_POW2=8)),
+                      W_EARLY=tew.NORM_WEIGHT_EARLY, IN_K=False, S_POW2=8, FOLD=False)),
             ]  # fmt: skip
+            name, fn, ptrs, consts = kernels[-1]
+            kernels.append(("norm_shrink (qkv, fold)", fn, ptrs, {**consts, "FOLD": True}))
             for name, fn, ptrs, consts in kernels:
                 for warps in (tew.norm_warps(block), 2 * tew.norm_warps(block)):
                     k = compile_as_launched(fn, {**ptrs, **delta_ptrs}, {**consts, **d_consts}, set(), dict(num_warps=warps))

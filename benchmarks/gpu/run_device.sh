@@ -96,6 +96,9 @@
 #   bash benchmarks/gpu/run_device.sh final29   # every GPU test at the defaults; two test files with LORASERVE_DELTA_IN_K=1
 #   bash benchmarks/gpu/run_device.sh slice29   # gate/up's delta as more K with each slice's set: step_trace Qwen off/on,
 #                                               its tests, bench_e2e Qwen on, bench_decode_linear --augmented (its GEMM alone)
+#   bash benchmarks/gpu/run_device.sh fold30    # the norms' shrink from the row before its normalization (LORASERVE_NORM_SHRINK_FOLD)
+#                                               and gate/up's delta as more K: Qwen step_trace per setting, their tests, every
+#                                               GPU test with both on, Llama-8B step_trace default vs more K
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -422,6 +425,14 @@ for stage in "$@"; do
             trace_per_setting 60 qwen2.5-0.5b "" "$k" ""
             e2e_per_setting 80 qwen2.5-0.5b "$k"
             (export $k; gpu_tests 150)
+            ;;
+        fold30)  # the folded shrink and gate/up's delta as more K: Qwen per setting, their tests, every GPU test both on, Llama
+            k=LORASERVE_DELTA_IN_K=1
+            f=LORASERVE_NORM_SHRINK_FOLD=1
+            trace_per_setting 50 qwen2.5-0.5b "" "$k" "$k $f" "$f"
+            new_tests 90 -n 4 tests/gpu/test_norm_shrink.py tests/gpu/test_gpu_engine.py -k "fold or delta_in_k or unrounded"
+            (export $k $f; gpu_tests 170)
+            trace_per_setting 70 llama-3.1-8b "" "$k" "$k $f"
             ;;
         slice29)  # gate/up's delta as more K, each slice's set (W 128 more columns): Qwen step_trace off/on, its tests, e2e on
             k=LORASERVE_DELTA_IN_K=1

@@ -83,13 +83,22 @@ def norm_weight_early(w_ptr, offs, mask, W_EARLY: tl.constexpr):
 
 
 @triton.jit
-def rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY: tl.constexpr):
+def rms_rstd(xf, N, eps):
+    """1 / sqrt(mean(xf^2) + eps) of a row in fp32 (masked lanes 0): the number ``rms_norm_row`` scales by."""
+    var = tl.sum(xf * xf, axis=0) / N
+    return 1.0 / tl.sqrt_rn(var + eps)
+
+
+@triton.jit
+def rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY: tl.constexpr, rstd=None):
     """One row ``x`` in its storage dtype (masked lanes 0) -> weight * RMSNorm(x), in fp32 (the caller
     rounds it to the output dtype): normalized in fp32, rounded to x's dtype, then times the weight
-    (``w_early`` from ``norm_weight_early`` where W_EARLY, else loaded here)."""
+    (``w_early`` from ``norm_weight_early`` where W_EARLY, else loaded here). ``rstd``: the row's
+    ``rms_rstd`` where the caller has it (None: computed here; the same bits either way)."""
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / N
-    h = (xf * (1.0 / tl.sqrt_rn(var + eps))).to(x.dtype)
+    if rstd is None:
+        rstd = rms_rstd(xf, N, eps)
+    h = (xf * rstd).to(x.dtype)
     if W_EARLY:
         w = w_early
     else:

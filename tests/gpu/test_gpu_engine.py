@@ -152,6 +152,25 @@ def test_norm_shrink_under_graphs_matches_peft(models_kv64, monkeypatch):
     assert same >= len(outs) - 1, f"{same}/{len(outs)} sequences as with the shrink launch"
 
 
+@pytest.mark.parametrize("in_k", [False, True], ids=["gate-up-default", "gate-up-in-k"])
+def test_norm_shrink_fold_under_graphs_matches_peft(models_kv64, monkeypatch, in_k):
+    """The norms' shrink from the row before its normalization (LORASERVE_NORM_SHRINK_FOLD, ``norm_shrink.FOLD``),
+    with gate/up's delta in the gated launch or as more K of its GEMM: both norms of every layer take it under CUDA
+    graphs with every adapter in the batch, and bf16 logprobs are within 2e-2 of HF + PEFT's."""
+    from loraserve.lora.ops import delta_in_k
+    from loraserve.lora.ops.triton import norm_shrink as ns
+
+    monkeypatch.setattr(delta_in_k, "ENABLED", in_k)
+    monkeypatch.setattr(ns, "FOLD", True)
+    calls = []
+    real = ns.norm_shrink
+    monkeypatch.setattr(ns, "norm_shrink", lambda *a, **k: calls.append(len(a[4])) or real(*a, **k))
+    _, outs = serve(models_kv64, "bfloat16", graphs=True)
+    assert 2 in calls and 3 in calls, f"gate/up (2 slices) and qkv (3) took the fused norm: {calls}"
+    diffs = hf_diffs(models_kv64, outs, torch.bfloat16)
+    assert max(diffs) <= 2e-2, diffs
+
+
 def test_delta_in_k_under_graphs_matches_peft(models_kv64, monkeypatch):
     """gate/up's delta as more K of its GEMM (LORASERVE_DELTA_IN_K, ``delta_in_k``): the wider W built when the
     wrappers are (the base weight its view), the norm's wider output taken by the GEMM under CUDA graphs with

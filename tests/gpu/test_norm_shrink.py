@@ -57,7 +57,8 @@ def random_case(T, K, n, S, R, xdt, adt, seed):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-K{c[1]}-{c[2]}sl-S{c[3]}-R{c[4]}")
 @pytest.mark.parametrize("residual", [True, False], ids=["add-norm", "norm"])
 @pytest.mark.parametrize("dtypes", [(x, a) for x in HALF for a in HALF], ids=lambda d: f"{d[0]}-A{d[1]}"[6:])
-def test_norm_shrink_matches_the_norm_and_the_shrink(case, residual, dtypes):
+def test_norm_shrink_matches_the_norm_and_the_shrink(case, residual, dtypes, monkeypatch):
+    monkeypatch.setattr(ns, "FOLD", False)  # the default's shrink of the rounded output (FOLD: the test after)
     T, K, n, S, R = case
     xdt, adt = dtypes
     x, res, w, As, _, ranks, slots = random_case(T, K, n, S, R, xdt, adt, seed=T + K + n)
@@ -84,6 +85,41 @@ def test_norm_shrink_matches_the_norm_and_the_shrink(case, residual, dtypes):
             if r:
                 err = (got[:r].double() - want).abs().max() / want.abs().max()
                 assert err < 1e-5, f"slice {i} token {t}: rel err {err}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-K{c[1]}-{c[2]}sl-S{c[3]}-R{c[4]}")
+@pytest.mark.parametrize("residual", [True, False], ids=["add-norm", "norm"])
+def test_the_folded_shrink_is_the_shrink_of_the_unrounded_norm(case, residual, monkeypatch):
+    """``FOLD``: the norm's outputs are the same bits as without it; where the row's block is at most
+    ``FOLD_MAX_BLOCK``, buf is (x' * rstd * w) @ A_i[slot]^T in float64 from the row after the add, x', unrounded
+    (1e-5 relative), which the default's shrink of the rounded output misses by more; past it, the default's bits."""
+    T, K, n, S, R = case
+    x, res, w, As, _, ranks, slots = random_case(T, K, n, S, R, HALF[-1], torch.float16, seed=T + K + n)
+    mapping, _ = mapping_of(slots)
+    rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
+    got = {}
+    for fold in (False, True):
+        monkeypatch.setattr(ns, "FOLD", fold)
+        got[fold] = ns.norm_shrink(x, res if residual else None, w, 1e-6, As, mapping.token_slots, rank_dev)
+    (out, new_res, buf), (out_f, new_res_f, buf_f) = got[False], got[True]
+    assert torch.equal(out_f, out) and (new_res_f is None if new_res is None else torch.equal(new_res_f, new_res))
+    if 1 << (K - 1).bit_length() > ns.FOLD_MAX_BLOCK:  # the row's block
+        assert torch.equal(buf_f, buf), "past FOLD_MAX_BLOCK the default's shrink runs"
+        return
+    xr = (new_res if residual else x).double().cpu()
+    h = xr / torch.sqrt((xr * xr).mean(dim=1, keepdim=True) + 1e-6) * w.double().cpu()
+    worst_default = 0.0
+    for i, a in enumerate(As):
+        for t, s in enumerate(slots):
+            r = ranks[s] if s >= 0 else 0
+            if not r:
+                continue
+            want = h[t] @ a[s, 0, :r].double().cpu().T
+            assert torch.equal(buf_f[0, i, t, r:].cpu(), torch.zeros(R - r)), f"slice {i} token {t}: columns past rank {r}"
+            err = (buf_f[0, i, t, :r].cpu().double() - want).abs().max() / want.abs().max()
+            assert err < 1e-5, f"slice {i} token {t}: rel err {err}"
+            worst_default = max(worst_default, ((buf[0, i, t, :r].cpu().double() - want).abs().max() / want.abs().max()).item())
+    assert worst_default > 1e-5, "the default's shrink (of the rounded output) differs from the unrounded one's"
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"T{c[0]}-K{c[1]}-{c[2]}sl-S{c[3]}-R{c[4]}")
@@ -303,6 +339,7 @@ def test_decoder_norms_hand_qkv_and_gate_up_their_shrink(gated, monkeypatch):
     from loraserve.lora.ops.triton import gated_lora, row_delta
 
     monkeypatch.setattr(delta_in_k, "ENABLED", False)  # gate/up's delta as its GEMM's K has other roundings
+    monkeypatch.setattr(ns, "FOLD", False)  # so has the shrink of the unrounded norm
     model, mapping, fdp = _lora_model(seed=1)
     fdp.take_gpu_path(monkeypatch)
     monkeypatch.setattr(gated_lora, "prefer", lambda N, K: gated)

@@ -255,8 +255,10 @@ def test_decoder_norms_add_o_and_downs_deferred_delta(monkeypatch, gemm_shrink):
     from loraserve import forward_context
     from loraserve.layers import triton_decode_linear
     from loraserve.lora.ops import delta_in_k
+    from loraserve.lora.ops.triton import norm_shrink
 
     monkeypatch.setattr(delta_in_k, "ENABLED", False)  # gate/up's delta as its GEMM's K has other roundings
+    monkeypatch.setattr(norm_shrink, "FOLD", False)  # so has the shrink of the unrounded norm
     model, mapping, fdp = _lora_model(seed=2)
     fdp.take_gpu_path(monkeypatch)
     monkeypatch.setattr(row_delta, "QKV_ENABLED", False)  # qkv's GEMM keeps its epilogue (test_qkv_delta: the other way)

@@ -26,6 +26,13 @@ is fp32, as the shrink's tf32 MMA (exact products for half operands, fp32 sums) 
 (whose products the shrink takes in tf32) is not taken here: ``supports`` says so, and the caller runs
 the separate shrink. Every column r < R of a token with a slot is written (what decode_linear's epilogue
 and ``gated_lora`` read: they load no rank); rows of base tokens are not.
+
+``FOLD`` (opt-in, untimed): s = rstd * sum_k (A[r, k] * w[k]) * x'[k] (x' the row after the add, rstd its RMS scale:
+the norm's own numbers), every product and sum in fp32. The two sums after the wait (the variance's and the
+shrink's) no longer run one after the other, and A * w is computed before it. The shrink then skips the norm
+output's roundings (to x's dtype before the weight, to out's after): it is the exact shrink of the unrounded
+norm to fp32 precision, where the default is the exact shrink of the rounded one; the two differ by those
+roundings (2^-9 relative an element, a bf16 output), the size of the difference between PEFT's bf16 and fp32 runs.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import triton
 import triton.language as tl
 
 from loraserve.layers import triton_elementwise
-from loraserve.layers.triton_elementwise import norm_warps, norm_weight_early, rms_norm_row
+from loraserve.layers.triton_elementwise import norm_warps, norm_weight_early, rms_norm_row, rms_rstd
 from loraserve.lora.ops.triton import row_delta
 from loraserve.lora.ops.triton.row_delta import delta_b_tile, plus_delta
 from loraserve.lora.ops.triton.utils import pdl_chain, slice_ptr, tl_dtype
@@ -46,6 +53,12 @@ from loraserve.lora.ops.triton.utils import pdl_chain, slice_ptr, tl_dtype
 # separate shrink launch (the default before session 20; faster on neither shape measured, kept to compare)
 ENABLED = os.environ.get("LORASERVE_NORM_SHRINK", "1") != "0"
 MAX_HIDDEN = 4096  # a row of A's tile per rank in registers: past this the separate shrink runs
+# The shrink from the row before its normalization: s = rstd * ((A * w) x), A times the norm's weight before the
+# PDL wait, the shrink's sum beside the variance's (the default: s = A out, after the variance, from the rounded
+# output). LORASERVE_NORM_SHRINK_FOLD=1 turns it on; see the module's docstring for its numbers
+FOLD = os.environ.get("LORASERVE_NORM_SHRINK_FOLD", "0") == "1"
+# Rows up to which it is taken: A's fp32 tile at 4096 takes 128 registers and spills (``kernel_resources.py --norm-shrink``)
+FOLD_MAX_BLOCK = 2048
 # Ranks a program owns. Compiled for sm_90 (bf16 x, fp16 A; ``kernel_resources.py --norm-shrink``): 92-161
 # registers a thread at K = 896-4096, no spill
 BLOCK_R = 16
@@ -63,6 +76,7 @@ def _norm_shrink_kernel(
     D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr, W_EARLY: tl.constexpr,
     # s into the output's columns past N instead of buf (``delta_in_k``): S slots a slice, in powers of two
     IN_K: tl.constexpr, S, S_POW2: tl.constexpr,
+    FOLD: tl.constexpr,  # the shrink from the row before its normalization (``FOLD``)
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -80,6 +94,9 @@ def _norm_shrink_kernel(
     a_ptrs = a_ptrs + offs_r[:, None] * stride_ar + offs[None, :]
     a = tl.load(a_ptrs, mask=(offs_r < rank)[:, None] & mask[None, :], other=0.0)
     w_early = norm_weight_early(w_ptr, offs, mask, W_EARLY)
+    if FOLD:  # A's tile times the norm's weight, exact fp32 products, while the kernel before runs
+        w_fold = w_early if W_EARLY else tl.load(w_ptr + offs, mask=mask, other=0.0)
+        a = a.to(tl.float32) * w_fold.to(tl.float32)[None, :]
     if HAS_DELTA:  # every program of the row adds it (a few KB of B each: cheaper than a round trip between them)
         d_slot, bt = delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK_R)
     if PDL_CHAIN:
@@ -92,10 +109,17 @@ def _norm_shrink_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r_out_ptr.dtype.element_ty)
         if j == 0:
             tl.store(r_out_ptr + row * stride_ro + offs, x, mask=mask)
-    out = rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY).to(out_ptr.dtype.element_ty)
+    if FOLD:  # the shrink's sum and the variance's, side by side: neither waits for the other
+        xf = x.to(tl.float32)
+        dot = tl.sum(a * xf[None, :], axis=1)
+        rstd = rms_rstd(xf, N, eps)
+        out = rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY, rstd).to(out_ptr.dtype.element_ty)
+        s = dot * rstd  # (BLOCK_R,): zeros past the rank
+    else:
+        out = rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY).to(out_ptr.dtype.element_ty)
+        s = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1)  # (BLOCK_R,): zeros past the rank
     if j == 0:
         tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
-    s = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1)  # (BLOCK_R,): zeros past the rank
     if IN_K:  # every slot's columns of this slice and rank block: the token's s in its slot's, zeros elsewhere
         offs_s = tl.arange(0, S_POW2)
         cols = N + (sl * S + offs_s[:, None]) * R + offs_r[None, :]
@@ -169,6 +193,6 @@ def norm_shrink(
             0 if in_k else buf.stride(1), 0 if in_k else buf.stride(2), K, R, eps,
             HAS_RESIDUAL=residual is not None, NUM_RBLOCKS=n_rblocks, BLOCK=block, BLOCK_R=BLOCK_R,
             PDL_CHAIN=chain, W_EARLY=triton_elementwise.NORM_WEIGHT_EARLY, num_warps=norm_warps(block), launch_pdl=chain,
-            IN_K=in_k, S=S, S_POW2=triton.next_power_of_2(S), **row_delta.kernel_args(delta, x),
+            IN_K=in_k, S=S, S_POW2=triton.next_power_of_2(S), FOLD=FOLD and block <= FOLD_MAX_BLOCK, **row_delta.kernel_args(delta, x),
         )  # fmt: skip
     return out, (r_out if residual is not None else None), (x_aug if in_k else buf)
