@@ -1,4 +1,5 @@
-"""CUDA graphs of decode steps: one graph per batch-size bucket and per {base, LoRA} (GPU only).
+"""CUDA graphs of decode steps: one graph per batch-size bucket and per {base, LoRA, LoRA with the embedding's
+and lm_head's deltas} (GPU only).
 
 A decode step (every sequence has one new token and samples) of B sequences replays the graph of
 the smallest bucket >= B. Everything the forward reads per step lives in static buffers that are
@@ -11,7 +12,10 @@ The LoRA graph serves any mix of plain adapters: which slot each token uses, and
 are data, not shapes. Steps that use an adapter with PEFT extras (DoRA, biases, replacement weights,
 trainable tokens) run eagerly: the layers pick that path on the host. Ranks live in device copies
 that ``refresh_ranks`` brings up to date before every replay (an adapter loaded into a slot after
-capture changes them).
+capture changes them). Whether the embedding and lm_head add their deltas is part of the key
+(``LoRAManager.slots_have_vocab_lora``, ``LoRAMapping.vocab_lora``): most adapters have none, and their steps'
+graph skips those launches (the lm_head's run over the whole vocabulary); a step with an adapter that has one
+replays the graph that runs them.
 
 The static buffers are filled from pinned host memory by non-blocking copies (engine/transfer.py),
 and a step scheduled ahead (async scheduling) copies its token ids from the device: filling them
@@ -64,7 +68,8 @@ class DecodeGraphs:
         self.meta_bufs = {
             b: torch.zeros(b + 3 * self.max_loras, dtype=torch.int32, device=dev) for b in self.buckets
         }
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, LoRA, the embedding's and lm_head's deltas) -> (graph, its logits)
+        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.stats = {"replays": 0, "captures": 0}
 
@@ -107,7 +112,7 @@ class DecodeGraphs:
         if use_lora:
             copy_from_host(self.meta_bufs[Bp], SegmentMeta.static_host(slots, Bp, self.max_loras))
 
-    def _contexts(self, Bp: int, use_lora: bool):
+    def _contexts(self, Bp: int, use_lora: bool, vocab_lora: bool):
         md = AttentionMetadata(
             slot_mapping=self.longs[2, :Bp],
             query_starts=list(range(Bp)),
@@ -133,18 +138,19 @@ class DecodeGraphs:
                 seg_lens=[0],
                 token_meta=meta,
                 logit_meta=meta,
+                vocab_lora=vocab_lora,
             )
         return md, mapping
 
-    def _forward(self, Bp: int, use_lora: bool) -> torch.Tensor:
-        md, mapping = self._contexts(Bp, use_lora)
+    def _forward(self, Bp: int, use_lora: bool, vocab_lora: bool) -> torch.Tensor:
+        md, mapping = self._contexts(Bp, use_lora, vocab_lora)
         with forward_context(attn=md, lora=mapping, cuda_graph=True):
             hidden = self.runner.model(self.longs[0, :Bp], self.longs[1, :Bp])
             return self.runner.model.compute_logits(hidden)
 
-    def _capture(self, Bp: int, use_lora: bool):
+    def _capture(self, Bp: int, use_lora: bool, vocab_lora: bool):
         torch.cuda.synchronize(self.device)
-        self._forward(Bp, use_lora)  # warm-up: compiles kernels, creates cached device tensors
+        self._forward(Bp, use_lora, vocab_lora)  # warm-up: compiles kernels, creates cached device tensors
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(self.device)
@@ -152,7 +158,7 @@ class DecodeGraphs:
             with torch.cuda.graph(
                 g, pool=self.pool, capture_error_mode="thread_local"
             ):  # adapter loads may run beside
-                logits = self._forward(Bp, use_lora)
+                logits = self._forward(Bp, use_lora, vocab_lora)
         except Exception as e:
             # NOTE: when capture_end raises, torch.cuda.graph leaves its side stream current
             torch.cuda.set_stream(stream)
@@ -170,11 +176,12 @@ class DecodeGraphs:
         Bp = self._bucket(B)
         use_lora = step.token_slots is not None and self.max_loras > 0
         self._fill(step, Bp, use_lora)
+        vocab_lora = use_lora and self.runner.lora_manager.slots_have_vocab_lora(step.token_slots)
         if use_lora:
             self.runner.lora_manager.punica.kernels.refresh_ranks()
-        key = (Bp, use_lora)
+        key = (Bp, use_lora, vocab_lora)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(Bp, use_lora)
+            self.graphs[key] = self._capture(Bp, use_lora, vocab_lora)
             self._fill(step, Bp, use_lora)  # the warm-up and capture ran on these buffers
         g, logits = self.graphs[key]
         g.replay()

@@ -100,6 +100,10 @@ class LoRAMapping:
     seg_lens: list[int]
     token_meta: SegmentMeta | None = None  # the kernels' view (CUDA only)
     logit_meta: SegmentMeta | None = None
+    # Whether the embedding's and lm_head's A/B deltas run (``VocabExtras.adds_delta``). None: each of them looks at
+    # its active slots' ranks on the host (an eager step). A CUDA graph sets it, part of its key: the graph must not
+    # look at the slots of the step it was captured for
+    vocab_lora: bool | None = None
 
     @classmethod
     def build(cls, token_slots: list[int], logit_slots: list[int], device: torch.device) -> LoRAMapping:

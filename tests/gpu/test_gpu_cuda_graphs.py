@@ -145,3 +145,39 @@ def test_pdl_chain_changes_no_bit(tmp_path, monkeypatch):
         lp_on = [d[t].logprob for d, t in zip(on.outputs[0].logprobs, on.outputs[0].token_ids)]
         lp_off = [d[t].logprob for d, t in zip(off.outputs[0].logprobs, off.outputs[0].token_ids)]
         assert lp_on == lp_off
+
+
+def test_an_adapter_with_an_lm_head_delta_replays_a_graph_that_runs_it(tmp_path):
+    """Whether the embedding and lm_head add their deltas is part of a graph's key (``LoRAMapping.vocab_lora``):
+    steps of adapters without them replay a graph that skips those launches; a step with an adapter whose
+    embedding and lm_head carry A and B, once that graph exists, replays another that runs them. Every sequence's
+    tokens and logprobs equal eager's (fp32), which adds every delta."""
+    from helpers import make_peft_adapter
+
+    from loraserve import LoRARequest
+
+    base = tmp_path / "base"
+    make_tiny_model(base, "llama")
+    plain = LoRARequest("plain", 1, str(make_peft_adapter(base, tmp_path / "plain", seed=1, r=8, lora_alpha=16,
+                                                           target_modules=["q_proj", "v_proj"])))  # fmt: skip
+    vocab = LoRARequest("vocab", 2, str(make_peft_adapter(base, tmp_path / "vocab", seed=2, r=8, lora_alpha=16,
+                                                           target_modules=["q_proj", "embed_tokens", "lm_head"])))  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8 + i]} for i in range(4)]
+    batches = [[plain, None, plain, None], [plain, vocab, None, vocab]]
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=64, enable_lora=True, max_loras=2,
+              max_lora_rank=8)  # fmt: skip
+    llm = LLM(str(base), **kw)
+    graphs = llm.engine.runner.graphs
+    got = llm.generate(prompts, sp, lora_request=batches[0])
+    assert any(lora and not vocab_lora for _, lora, vocab_lora in graphs.graphs), list(graphs.graphs)
+    assert not any(vocab_lora for _, _, vocab_lora in graphs.graphs), "no adapter with an lm_head delta yet"
+    got += llm.generate(prompts, sp, lora_request=batches[1])
+    assert any(vocab_lora for _, _, vocab_lora in graphs.graphs), list(graphs.graphs)
+    eager = LLM(str(base), enforce_eager=True, **kw)
+    want = eager.generate(prompts, sp, lora_request=batches[0]) + eager.generate(prompts, sp, lora_request=batches[1])
+    for g, e in zip(got, want):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        lp_g = [d[t].logprob for d, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)]
+        lp_e = [d[t].logprob for d, t in zip(e.outputs[0].logprobs, e.outputs[0].token_ids)]
+        assert max(abs(a - b) for a, b in zip(lp_g, lp_e)) < 1e-4

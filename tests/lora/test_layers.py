@@ -8,7 +8,7 @@ the raw A/B tensors, never through loraserve's ops.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -505,6 +505,38 @@ def test_logits_bf16_lm_head_rounds_once():
     assert got.dtype == torch.float32  # handed to the sampler in fp32, after one bf16 rounding
     assert_bf16_rounding_close(got.to(torch.bfloat16), base.double() + delta)
     assert torch.equal(got.to(torch.bfloat16).float(), got)
+
+
+def test_vocab_wrappers_skip_their_delta_where_no_active_slot_has_a_rank():
+    """The embedding and the lm_head add no delta where none of the step's slots has a rank there (slot 2 is empty):
+    the base output, the same bits, and no punica call; the mapping's ``vocab_lora`` (a CUDA graph's key) decides
+    instead where set: False skips the slots' real deltas, True runs the launches (adding zeros: the same bits)."""
+    base, emb, _ = make_embedding(torch.bfloat16)
+    lm_head, logits, _ = make_logits(torch.bfloat16)
+    calls = []
+    for w, name in ((emb, "add_lora_embedding"), (logits, "add_lora_logits")):
+        real = getattr(w.punica_wrapper, name)
+        setattr(w.punica_wrapper, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    ids = torch.tensor([5, 9, 2])
+    hidden = torch.randn(3, H).to(torch.bfloat16)
+    base_emb, base_logits = base.weight[ids], F.linear(hidden, lm_head.weight).float()
+
+    def run(slots, vocab_lora=None):
+        calls.clear()
+        mapping = replace(LoRAMapping.build(slots, slots, CPU), vocab_lora=vocab_lora)
+        with forward_context(lora=mapping):
+            return emb(ids), logits(lm_head, hidden)
+
+    got_emb, got_logits = run([2, -1, 2])
+    assert calls == [] and torch.equal(got_emb, base_emb) and torch.equal(got_logits, base_logits)
+    got_emb, got_logits = run([2, -1, 2], vocab_lora=True)
+    assert calls == ["add_lora_embedding", "add_lora_logits"]
+    assert torch.equal(got_emb, base_emb) and torch.equal(got_logits, base_logits), "zero ranks add exactly zero"
+    got_emb, got_logits = run([2, 1, 2])
+    assert calls == ["add_lora_embedding", "add_lora_logits"]
+    assert not torch.equal(got_emb[1], base_emb[1]) and not torch.equal(got_logits[1], base_logits[1])
+    got_emb, got_logits = run([2, 1, 2], vocab_lora=False)
+    assert calls == [] and torch.equal(got_emb, base_emb) and torch.equal(got_logits, base_logits)
 
 
 # ---- can_replace_layer: exactly one class claims each case ----------------------------------------------

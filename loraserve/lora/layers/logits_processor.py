@@ -76,10 +76,12 @@ class LogitsProcessorWithLoRA(BaseLayerWithLoRA, VocabExtras):
         mapping = current_lora_mapping()
         if mapping is None or not mapping.has_logits_lora:
             return logits.float()
-        acc = logits.float()
         slots = [s for s, _ in mapping.logit_segments]
         if self.has_extras(slots):
-            return self._forward_with_extras(acc, hidden, mapping).to(logits.dtype).float()
+            return self._forward_with_extras(logits.float(), hidden, mapping).to(logits.dtype).float()
+        if not self.adds_delta(mapping, slots):
+            return logits.float()
+        acc = logits.float()
         self.punica_wrapper.add_lora_logits(acc, hidden, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks)
         # NOTE: round to the model dtype once, as PEFT's lm_head Linear does, then hand fp32 to the sampler
         return acc.to(logits.dtype).float()

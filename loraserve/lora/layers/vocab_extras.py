@@ -58,5 +58,14 @@ class VocabExtras:
     def slot_has_extras(self, index: int) -> bool:
         return self.has_extras([index])
 
+    def adds_delta(self, mapping, slots: list[int]) -> bool:
+        """Whether this step adds the layer's A/B delta: some slot of ``slots`` has a rank here (or the mapping's
+        ``vocab_lora``, where a CUDA graph decided it). Where none has, the delta is exactly zero and the wrapper
+        returns the base output, the same bits as adding it (x.float() plus zeros, rounded back, is x), without
+        its launches: an lm_head's fp32 logits rounded and widened again, the shrink, the expand over the vocab."""
+        if mapping.vocab_lora is not None:
+            return mapping.vocab_lora
+        return any(self.slot_ranks[s] for s in slots)
+
     def has_extras(self, slots: list[int]) -> bool:
         return any(s in self.replacement or s in self.tokens or self.slot_has_dora[s] for s in slots)

@@ -80,10 +80,13 @@ class VocabParallelEmbeddingWithLoRA(BaseLayerWithLoRA, VocabExtras):
         mapping = current_lora_mapping()
         if mapping is None or not mapping.has_lora:
             return out
-        acc = out.float()
         if not self.has_extras(mapping.active_slots):
+            if not self.adds_delta(mapping, mapping.active_slots):
+                return out
+            acc = out.float()
             self.punica_wrapper.add_lora_embedding(acc, input_ids, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks)
             return acc.to(out.dtype)
+        acc = out.float()
         for slot, idx in mapping.token_segments:
             if slot in self.replacement:
                 acc[idx] = torch.nn.functional.embedding(input_ids[idx], self.replacement[slot]).float()
