@@ -99,6 +99,9 @@
 #   bash benchmarks/gpu/run_device.sh fold30    # the norms' shrink from the row before its normalization (LORASERVE_NORM_SHRINK_FOLD)
 #                                               and gate/up's delta as more K: Qwen step_trace per setting, their tests, every
 #                                               GPU test with both on, Llama-8B step_trace default vs more K
+#   bash benchmarks/gpu/run_device.sh vocab30   # the embedding's and lm_head's delta skipped where no slot has one: Qwen step_trace
+#                                               default and more K + fold, the new graph test, test_qkv_delta per knob,
+#                                               every GPU test, bench_e2e Qwen (more K + fold), Llama-8B step_trace
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -425,6 +428,19 @@ for stage in "$@"; do
             trace_per_setting 60 qwen2.5-0.5b "" "$k" ""
             e2e_per_setting 80 qwen2.5-0.5b "$k"
             (export $k; gpu_tests 150)
+            ;;
+        vocab30)  # the vocab deltas skipped: Qwen default and more K + fold, the new tests, every GPU test, e2e, Llama
+            k=LORASERVE_DELTA_IN_K=1
+            f=LORASERVE_NORM_SHRINK_FOLD=1
+            trace_per_setting 50 qwen2.5-0.5b "" "$k $f"
+            new_tests 60 tests/gpu/test_gpu_cuda_graphs.py -k lm_head_delta
+            for knobs in "$k" "$f" "$k $f" "$k $f"; do
+                echo "### test_qkv_delta: $knobs" | tee -a "$OUT/new_tests.txt"
+                (export $knobs; new_tests 40 tests/gpu/test_qkv_delta.py -k decoder_rotary)
+            done
+            gpu_tests 170
+            e2e_per_setting 60 qwen2.5-0.5b "$k $f"
+            trace_per_setting 70 llama-3.1-8b ""
             ;;
         fold30)  # the folded shrink and gate/up's delta as more K: Qwen per setting, their tests, every GPU test both on, Llama
             k=LORASERVE_DELTA_IN_K=1
