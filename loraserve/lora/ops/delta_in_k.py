@@ -1,5 +1,5 @@
-"""gate/up's LoRA delta as more K of its base GEMM (opt-in, ``LORASERVE_DELTA_IN_K=1``; small models, decode
-steps on the GPU).
+"""gate/up's LoRA delta as more K of its base GEMM (on by default since session 30, ``LORASERVE_DELTA_IN_K=0`` turns
+it off; small models, decode steps on the GPU).
 
     y[rows of slice i] = [x | s_i] @ [W | B_i]^T = x W^T + s_i B_i^T
 
@@ -16,7 +16,9 @@ gate/up's delta today; ``bench_decode_linear.py --augmented`` times 128 more col
 plain GEMM over every slice's set, at 1.6) against today's 3.1. Measured in the engine (session 29) in the
 plain form, 256 more columns of W: slower, 1.141-1.144 -> 1.153 ms (the SiLU-and-mul's +3.5 µs in the layer's
 critical path gone, but the GEMM +3.3 and the norm about +1); parity vs HF + PEFT 0.0118 (the default 0.0087).
-This form (128 more columns) is untimed (``run_device.sh slice29``).
+This form (128 more columns), measured (session 30, H100, one call each, step_trace's graph replay): 1.140 -> 1.123 ms
+(base 0.960), and with the norms' folded shrink (``norm_shrink.FOLD``) 1.143 -> 1.111 (base 0.961-0.963), then with
+the vocab deltas skipped (``VocabExtras.adds_delta``) 1.101 -> 1.075 (base 0.961-0.964): on by default since.
 
 Storage: the wider W is allocated once, when the LoRA wrapper is created (before any CUDA graph is captured),
 and the base layer's weight becomes a view of its first K columns (the same numbers, row stride K + S*R:
@@ -33,8 +35,8 @@ import os
 
 import torch
 
-# Opt-in (measured slower, above); a module attribute
-ENABLED = os.environ.get("LORASERVE_DELTA_IN_K", "0") == "1"
+# On by default (measured faster, above); a module attribute
+ENABLED = os.environ.get("LORASERVE_DELTA_IN_K", "1") != "0"
 MAX_K = 1536  # the hidden sizes where it is taken (gated_lora.GATED_MAX_K's small models; Llama-8B's gate_up: 5.6 vs 5.1 µs)
 # The decode GEMM's K step and its largest column block (triton_decode_linear.default_tiles: 128 each)
 K_STEP = 128
