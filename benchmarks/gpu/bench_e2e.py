@@ -148,7 +148,7 @@ def bench_ours(model_dir: Path, adapters: list[Path], prompts, new_tokens: int, 
     if profile_steps:
         from triton.testing import do_bench
 
-        for (bucket, use_lora, _vocab), (graph, _) in g.graphs.items():  # GPU time of one decode step, no host work
+        for (bucket, use_lora, *_variant), (graph, _) in g.graphs.items():  # GPU time of one decode step, no host work
             if bucket == n:
                 res[f"graph_replay_ms_{'lora' if use_lora else 'base'}"] = do_bench(
                     graph.replay, warmup=5, rep=50, return_mode="median"

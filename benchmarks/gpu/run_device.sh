@@ -102,6 +102,10 @@
 #   bash benchmarks/gpu/run_device.sh vocab30   # the embedding's and lm_head's delta skipped where no slot has one: Qwen step_trace
 #                                               default and more K + fold, the new graph test, test_qkv_delta per knob,
 #                                               every GPU test, bench_e2e Qwen (more K + fold), Llama-8B step_trace
+#   bash benchmarks/gpu/run_device.sh conf30    # session 30's defaults: Qwen step_trace default, o's/down's shrink from both pieces of
+#                                               A, session 29's defaults; the new tests; test_qkv_delta's rotary test with the fold
+#                                               on (PDL chain on and off) and off; every GPU test; bench_e2e both shapes with HF
+#                                               + PEFT (8 of its new tokens); Llama-8B step_trace
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -429,6 +433,17 @@ for stage in "$@"; do
             e2e_per_setting 80 qwen2.5-0.5b "$k"
             (export $k; gpu_tests 150)
             ;;
+        conf30)  # session 30's defaults against the knobs that undo them; the new tests; every GPU test; e2e with HF; Llama
+            trace_per_setting 50 qwen2.5-0.5b "" "LORASERVE_ONE_PIECE_WHERE_EXACT=0" "LORASERVE_DELTA_IN_K=0 LORASERVE_NORM_SHRINK_FOLD=0 LORASERVE_ONE_PIECE_WHERE_EXACT=0"
+            new_tests 120 -n 4 tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_cuda_graphs.py -k "one_piece or fold or delta_in_k or lm_head_delta"
+            for knobs in "" "LORASERVE_PDL_CHAIN=0" "LORASERVE_NORM_SHRINK_FOLD=0"; do
+                echo "### test_qkv_delta: ${knobs:-default}" | tee -a "$OUT/new_tests.txt"
+                (if [ -n "$knobs" ]; then export $knobs; fi; new_tests 40 tests/gpu/test_qkv_delta.py -k decoder_rotary)
+            done
+            gpu_tests 170
+            timeout 260 python3 benchmarks/gpu/bench_e2e.py --hf-new-tokens 8 2>&1 | grep "^| \|replay\|parity max\|greedy ids\|tok/s" | tee "$OUT/e2e.txt"
+            trace_per_setting 70 llama-3.1-8b ""
+            ;;
         vocab30)  # the vocab deltas skipped: Qwen default and more K + fold, the new tests, every GPU test, e2e, Llama
             k=LORASERVE_DELTA_IN_K=1
             f=LORASERVE_NORM_SHRINK_FOLD=1
@@ -436,7 +451,7 @@ for stage in "$@"; do
             new_tests 60 tests/gpu/test_gpu_cuda_graphs.py -k lm_head_delta
             for knobs in "$k" "$f" "$k $f" "$k $f"; do
                 echo "### test_qkv_delta: $knobs" | tee -a "$OUT/new_tests.txt"
-                (export $knobs; new_tests 40 tests/gpu/test_qkv_delta.py -k decoder_rotary)
+                (if [ -n "$knobs" ]; then export $knobs; fi; new_tests 40 tests/gpu/test_qkv_delta.py -k decoder_rotary)
             done
             gpu_tests 170
             e2e_per_setting 60 qwen2.5-0.5b "$k $f"

@@ -108,7 +108,7 @@ def trace_shape(shape: str, root: Path, out: Path, batch: int, lora_dtype: str, 
     graphs = llm.engine.runner.graphs.graphs
     layers = cfg.num_hidden_layers
     res = {}
-    for (bucket, use_lora, _vocab), (graph, _) in sorted(graphs.items()):
+    for (bucket, use_lora, *_variant), (graph, _) in sorted(graphs.items()):
         if bucket != batch:
             continue
         label = f"{shape} {'8 adapters' if use_lora else 'base'} (bucket {bucket}, LoRA {lora_dtype})"

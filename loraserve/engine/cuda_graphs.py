@@ -15,7 +15,9 @@ that ``refresh_ranks`` brings up to date before every replay (an adapter loaded 
 capture changes them). Whether the embedding and lm_head add their deltas is part of the key
 (``LoRAManager.slots_have_vocab_lora``, ``LoRAMapping.vocab_lora``): most adapters have none, and their steps'
 graph skips those launches (the lm_head's run over the whole vocabulary); a step with an adapter that has one
-replays the graph that runs them.
+replays the graph that runs them. So is whether every slot of the step has its linear layers' A exactly in
+their weights' dtype (``LoRAMapping.a_exact_in_w``: the GEMMs that compute o's and down's shrink then read one
+piece of A, not two).
 
 The static buffers are filled from pinned host memory by non-blocking copies (engine/transfer.py),
 and a step scheduled ahead (async scheduling) copies its token ids from the device: filling them
@@ -68,8 +70,8 @@ class DecodeGraphs:
         self.meta_bufs = {
             b: torch.zeros(b + 3 * self.max_loras, dtype=torch.int32, device=dev) for b in self.buckets
         }
-        # (bucket, LoRA, the embedding's and lm_head's deltas) -> (graph, its logits)
-        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, LoRA, the embedding's and lm_head's deltas, A exactly in W's dtype) -> (graph, its logits)
+        self.graphs: dict[tuple[int, bool, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.stats = {"replays": 0, "captures": 0}
 
@@ -112,7 +114,7 @@ class DecodeGraphs:
         if use_lora:
             copy_from_host(self.meta_bufs[Bp], SegmentMeta.static_host(slots, Bp, self.max_loras))
 
-    def _contexts(self, Bp: int, use_lora: bool, vocab_lora: bool):
+    def _contexts(self, Bp: int, use_lora: bool, vocab_lora: bool, a_exact: bool):
         md = AttentionMetadata(
             slot_mapping=self.longs[2, :Bp],
             query_starts=list(range(Bp)),
@@ -139,18 +141,19 @@ class DecodeGraphs:
                 token_meta=meta,
                 logit_meta=meta,
                 vocab_lora=vocab_lora,
+                a_exact_in_w=a_exact,
             )
         return md, mapping
 
-    def _forward(self, Bp: int, use_lora: bool, vocab_lora: bool) -> torch.Tensor:
-        md, mapping = self._contexts(Bp, use_lora, vocab_lora)
+    def _forward(self, Bp: int, use_lora: bool, vocab_lora: bool, a_exact: bool) -> torch.Tensor:
+        md, mapping = self._contexts(Bp, use_lora, vocab_lora, a_exact)
         with forward_context(attn=md, lora=mapping, cuda_graph=True):
             hidden = self.runner.model(self.longs[0, :Bp], self.longs[1, :Bp])
             return self.runner.model.compute_logits(hidden)
 
-    def _capture(self, Bp: int, use_lora: bool, vocab_lora: bool):
+    def _capture(self, Bp: int, use_lora: bool, vocab_lora: bool, a_exact: bool):
         torch.cuda.synchronize(self.device)
-        self._forward(Bp, use_lora, vocab_lora)  # warm-up: compiles kernels, creates cached device tensors
+        self._forward(Bp, use_lora, vocab_lora, a_exact)  # warm-up: compiles kernels, creates cached device tensors
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(self.device)
@@ -158,7 +161,7 @@ class DecodeGraphs:
             with torch.cuda.graph(
                 g, pool=self.pool, capture_error_mode="thread_local"
             ):  # adapter loads may run beside
-                logits = self._forward(Bp, use_lora, vocab_lora)
+                logits = self._forward(Bp, use_lora, vocab_lora, a_exact)
         except Exception as e:
             # NOTE: when capture_end raises, torch.cuda.graph leaves its side stream current
             torch.cuda.set_stream(stream)
@@ -176,12 +179,14 @@ class DecodeGraphs:
         Bp = self._bucket(B)
         use_lora = step.token_slots is not None and self.max_loras > 0
         self._fill(step, Bp, use_lora)
-        vocab_lora = use_lora and self.runner.lora_manager.slots_have_vocab_lora(step.token_slots)
+        lm = self.runner.lora_manager
+        vocab_lora = use_lora and lm.slots_have_vocab_lora(step.token_slots)
+        a_exact = use_lora and lm.slots_a_exact_in_w(step.token_slots)
         if use_lora:
-            self.runner.lora_manager.punica.kernels.refresh_ranks()
-        key = (Bp, use_lora, vocab_lora)
+            lm.punica.kernels.refresh_ranks()
+        key = (Bp, use_lora, vocab_lora, a_exact)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(Bp, use_lora, vocab_lora)
+            self.graphs[key] = self._capture(Bp, use_lora, vocab_lora, a_exact)
             self._fill(step, Bp, use_lora)  # the warm-up and capture ran on these buffers
         g, logits = self.graphs[key]
         g.replay()

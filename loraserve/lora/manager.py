@@ -37,6 +37,7 @@ from loraserve.lora.errors import (
     UnknownAdapterError,
 )
 from loraserve.lora.layers import LORA_LAYER_CLASSES, BaseLayerWithLoRA, LogitsProcessorWithLoRA
+from loraserve.lora.layers.base_linear import BaseLinearLayerWithLoRA
 from loraserve.lora.layers.vocab_extras import VocabExtras
 from loraserve.lora.mapping import LoRATarget, find_lora_targets
 from loraserve.lora.mixtures import combine_adapters
@@ -75,6 +76,7 @@ class LoRAManager:
         self._slot_ids: list[int | None] = [None] * config.max_loras
         self._slot_extras = [False] * config.max_loras  # a slot whose adapter has PEFT extras (DoRA, biases, ...)
         self._slot_vocab = [False] * config.max_loras  # a slot whose adapter has an embedding or lm_head A/B
+        self._slot_a_exact_in_w = [True] * config.max_loras  # a slot whose linear layers' A are exactly in W's dtype
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # resident ids, least recently used first
         self._refs: Counter[int] = Counter()
         self._pinned: set[int] = set()
@@ -281,12 +283,19 @@ class LoRAManager:
             self._slot_ids[slot] = None
             self._slot_extras[slot] = False
             self._slot_vocab[slot] = False
+            self._slot_a_exact_in_w[slot] = True
             del self._slot_lru[lid]
 
     def slots_have_vocab_lora(self, slots: list[int]) -> bool:
         """Whether any of these slots (-1 = base) holds an adapter with an embedding or lm_head A/B: a CUDA graph's
         key (``LoRAMapping.vocab_lora``; without one, the graph skips those deltas). One flag per slot."""
         return any(self._slot_vocab[s] for s in set(slots) if s >= 0)
+
+    def slots_a_exact_in_w(self, slots: list[int]) -> bool:
+        """Whether every one of these slots (-1 = base) has its linear layers' A exactly in their weights' dtype:
+        a CUDA graph's key (``LoRAMapping.a_exact_in_w``; with it, the GEMMs that compute a shrink read one piece
+        of A). One flag per slot."""
+        return all(self._slot_a_exact_in_w[s] for s in set(slots) if s >= 0)
 
     def slots_have_extras(self, slots: list[int]) -> bool:
         """Whether any of these slots (-1 = base) holds an adapter with PEFT extras: such steps run
@@ -334,6 +343,9 @@ class LoRAManager:
         self._slot_ids[slot] = lid
         self._slot_extras[slot] = any(m.slot_has_extras(slot) for m in self.modules.values())
         self._slot_vocab[slot] = any(m.slot_ranks[slot] for m in self.modules.values() if isinstance(m, VocabExtras))
+        self._slot_a_exact_in_w[slot] = all(
+            m.slot_a_exact_in_w[slot] for m in self.modules.values() if isinstance(m, BaseLinearLayerWithLoRA)
+        )
         self._slot_lru[lid] = None
         self.stats["slot_loads"] += 1
         return slot

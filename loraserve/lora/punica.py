@@ -104,6 +104,9 @@ class LoRAMapping:
     # its active slots' ranks on the host (an eager step). A CUDA graph sets it, part of its key: the graph must not
     # look at the slots of the step it was captured for
     vocab_lora: bool | None = None
+    # Whether every slot of the step has its A exactly in the base weight's dtype (``BaseLinearLayerWithLoRA.
+    # gemm_shrink_rows``: one piece). None: each layer looks at its active slots; a CUDA graph sets it (its key)
+    a_exact_in_w: bool | None = None
 
     @classmethod
     def build(cls, token_slots: list[int], logit_slots: list[int], device: torch.device) -> LoRAMapping:

@@ -195,3 +195,52 @@ def test_delta_in_k_under_graphs_matches_peft(models_kv64, monkeypatch):
     assert (128 + 2 * 8 * 16, 128 + 8 * 16) in widths, f"the wider x and W were not taken: {widths}"
     diffs = hf_diffs(models_kv64, outs, torch.bfloat16)
     assert max(diffs) <= 2e-2, diffs
+
+
+def _with_bf16_a(dirs: dict, root) -> dict:
+    """Copies of these adapters with every lora_A rounded to a bf16 number (kept in its file's dtype)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = {}
+    for name, d in dirs.items():
+        new = root / name
+        shutil.copytree(d, new)
+        tensors = load_file(str(new / "adapter_model.safetensors"))
+        tensors = {k: v.to(torch.bfloat16).to(v.dtype) if "lora_A" in k else v for k, v in tensors.items()}
+        save_file(tensors, str(new / "adapter_model.safetensors"))
+        out[name] = new
+    return out
+
+
+def test_a_exact_in_bf16_lets_the_shrink_gemm_read_one_piece(models_kv64, tmp_path, monkeypatch):
+    """Adapters whose A are bf16 numbers, stored in fp16 for a bf16 model (the second bf16 piece of A is zeros): o's
+    and down's GEMM computes their shrink from one piece (S*R more rows of W, not 2*S*R) under CUDA graphs, and
+    logprobs stay within 2e-2 of HF + PEFT's. With one adapter whose A is not (the fixture's fp32 all16) in the batch,
+    the step replays another graph, which reads both pieces, with the same bound."""
+    from loraserve.layers import triton_decode_linear as dl
+
+    base, dirs, prompts, per_prompt = models_kv64
+    exact = _with_bf16_a(dirs, tmp_path)
+    rows = []
+    real = dl.decode_linear
+
+    def counting(x, w, *a, **k):
+        if k.get("shrink_into") is not None:
+            rows.append(k["shrink_into"][0].shape[0])
+        return real(x, w, *a, **k)
+
+    monkeypatch.setattr(dl, "decode_linear", counting)
+    S, R = 8, 16  # serve's max_loras and max_lora_rank
+    for adapters, one_piece in ((exact, True), ({**exact, "all16": dirs["all16"]}, False)):
+        rows.clear()
+        models = (base, adapters, prompts, per_prompt)
+        llm, outs = serve(models, "bfloat16", graphs=True)
+        want = S * R if one_piece else 2 * S * R  # every decode step has an all16 request (they end together)
+        assert want in rows and set(rows) <= {S * R, 2 * S * R}, f"A's pieces the GEMMs read: {sorted(set(rows))}"
+        keys = list(llm.engine.runner.graphs.graphs)  # (bucket, LoRA, vocab deltas, A exact in W's dtype)
+        assert any(k[1] and k[3] == one_piece for k in keys), keys
+        diffs = hf_diffs(models, outs, torch.bfloat16)
+        assert max(diffs) <= 2e-2, diffs
+        del llm

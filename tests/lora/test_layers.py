@@ -375,6 +375,35 @@ def test_gemm_shrink_rows_follow_set_and_reset(lora_dtype):
     assert_rows_are_a(rows)
 
 
+def test_gemm_shrink_rows_take_one_piece_where_every_active_slot_has_a_in_ws_dtype():
+    """Where every slot of the step has its A exactly in W's dtype (bf16 numbers stored in fp16), ``gemm_shrink_rows``
+    is the first piece alone (the second is zeros there); an active slot whose A is not, or no mapping, gives both.
+    The mapping's ``a_exact_in_w`` (a CUDA graph's key) decides where set; reset_lora makes a slot exact (zeros)."""
+    case = LINEAR_CASES[-1]
+    assert case.cls is RowParallelLinearWithLoRA
+    torch.manual_seed(0)
+    w = case.cls(_make_in_dtype(case, torch.bfloat16))
+    w.create_lora_weights(MAX_LORAS, LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=MAX_RANK, lora_dtype=torch.float16))
+    g = torch.Generator().manual_seed(23)
+    b = torch.randn(16, 4, generator=g)
+    w.set_lora(0, torch.randn(4, case.in_size, generator=g).to(torch.bfloat16).float(), b)
+    w.set_lora(1, torch.randn(4, case.in_size, generator=g), b)  # fp32 numbers: fp16's 11 bits, not bf16's 8
+    assert w.slot_a_exact_in_w[:2] == [True, False]
+    full = w.gemm_shrink_rows()
+    assert len(full) == 2 and full[1, 0].abs().sum() == 0 and full[1, 1].abs().sum() > 0
+
+    def rows_for(slots, a_exact=None):
+        with forward_context(lora=replace(LoRAMapping.build(slots, slots, CPU), a_exact_in_w=a_exact)):
+            return w.gemm_shrink_rows()
+
+    one = rows_for([0, -1, 0])
+    assert one.shape == (1, *full.shape[1:]) and one.data_ptr() == full.data_ptr(), "the first piece, a view"
+    assert len(rows_for([0, 1])) == 2 and len(rows_for([0], a_exact=False)) == 2
+    assert len(rows_for([0, 1], a_exact=True)) == 1, "the graph's key decides"
+    w.reset_lora(1)
+    assert w.slot_a_exact_in_w[1] and len(rows_for([0, 1])) == 1
+
+
 # ---- embedding ----------------------------------------------------------------------------------------
 
 V, H = 50, 16

@@ -16,6 +16,7 @@ from loraserve.config import LoRAConfig
 from loraserve.forward_context import current_lora_mapping, defer_delta
 from loraserve.layers.linear import linear
 from loraserve.lora.layers.base import BaseLayerWithLoRA, LoRAPieces
+from loraserve.lora.ops import precision
 from loraserve.lora.ops.precision import exact_pieces
 from loraserve.lora.punica import FusedShrink
 
@@ -59,12 +60,15 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         self.slot_has_bias = [False] * max_loras
         self.slot_has_dora = [False] * max_loras
         self._gemm_rows: torch.Tensor | None = None  # (gemm_shrink_rows) built on first use
+        # per slot: its A is exactly in W's dtype (every piece past the first zero; zeros are: a reset slot's too)
+        self.slot_a_exact_in_w = [True] * max_loras
 
     def reset_lora(self, index: int) -> None:
         for a, b in zip(self.lora_a_stacked, self.lora_b_stacked):
             a[index].zero_()
             b[index].zero_()
         self.slot_ranks[index] = 0
+        self.slot_a_exact_in_w[index] = True
         self.clear_extras(index)
         self._write_gemm_rows(index)
 
@@ -72,11 +76,27 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         """A one-slice layer's A, every slot's, as more rows of its weight: (P, S, R, in) in W's dtype, the P
         pieces of ``precision.exact_pieces`` (they sum to A), for a GEMM that computes the shrink as extra
         columns (``row_delta``, ``decode_linear(shrink_into=...)``). Built on first use, then kept in step with
-        ``set_lora`` / ``reset_lora`` (in place: a captured CUDA graph reads the new slot)."""
+        ``set_lora`` / ``reset_lora`` (in place: a captured CUDA graph reads the new slot). Only the first piece
+        (P = 1) where every slot of the step has its A exactly in W's dtype (``a_exact_in_w``): the second is
+        zeros there (an adapter saved in bf16 and stored in fp16 for a bf16 model), which the GEMM would read
+        for nothing (Qwen2.5-0.5B's down: 1.25 MB a layer at 8 slots of rank 16)."""
         if self._gemm_rows is None:
             (a,) = self.lora_a_stacked
             self._gemm_rows = torch.stack(exact_pieces(a[:, 0], self.base_layer.weight.dtype)).contiguous()
+        if len(self._gemm_rows) > 1 and precision.ONE_PIECE_WHERE_EXACT and self.a_exact_in_w():
+            return self._gemm_rows[:1]
         return self._gemm_rows
+
+    def a_exact_in_w(self) -> bool:
+        """Whether every slot of the current step has its A exactly in W's dtype: the mapping's ``a_exact_in_w``
+        where set (a CUDA graph's key: it must not look at the slots it was captured for), else each active slot's
+        ``slot_a_exact_in_w``."""
+        mapping = current_lora_mapping()
+        if mapping is None:
+            return False
+        if mapping.a_exact_in_w is not None:
+            return mapping.a_exact_in_w
+        return all(self.slot_a_exact_in_w[s] for s in mapping.active_slots)
 
     def _write_gemm_rows(self, index: int) -> None:
         if self._gemm_rows is not None:
@@ -167,7 +187,14 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             self.lora_b_stacked[i][index, 0, :, :r].copy_(b, non_blocking=True)
             rank = max(rank, r)
         self.slot_ranks[index] = rank
+        self.slot_a_exact_in_w[index] = all(a is None or self._exact_in_w(a) for a in a_list)
         self._write_gemm_rows(index)
+
+    def _exact_in_w(self, a: torch.Tensor) -> bool:
+        """Whether A, as the stacks store it, is exactly in W's dtype. On the host where the adapter arrives (the
+        engine's loads hand its tensors in the storage dtype): a cheap check, no device sync."""
+        stored = a.to(self.lora_a_stacked[0].dtype)
+        return torch.equal(stored.to(self.base_layer.weight.dtype).to(stored.dtype), stored)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear(x, weight, bias) + the per-token LoRA delta (``apply_lora``'s numbers).

@@ -22,9 +22,14 @@ on the GPU for bf16 models (their products were tf32); fp32 elsewhere.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 HALF = (torch.bfloat16, torch.float16)
+# A GEMM that computes a shrink from A's pieces in W's dtype reads only the first where every slot of the step has
+# its A exactly in that dtype (``BaseLinearLayerWithLoRA.gemm_shrink_rows``); LORASERVE_ONE_PIECE_WHERE_EXACT=0: both
+ONE_PIECE_WHERE_EXACT = os.environ.get("LORASERVE_ONE_PIECE_WHERE_EXACT", "1") != "0"
 MIXED_HALVES_IN_FP32 = True  # a knob: False multiplies bf16 x with fp16 weights in fp16 (benchmarks only)
 
 
