@@ -106,6 +106,7 @@
 #                                               A, session 29's defaults; the new tests; test_qkv_delta's rotary test with the fold
 #                                               on (PDL chain on and off) and off; every GPU test; bench_e2e both shapes with HF
 #                                               + PEFT (8 of its new tokens); Llama-8B step_trace
+#   bash benchmarks/gpu/run_device.sh final30   # conf30's failed tests after their fixes, every GPU test, Qwen step_trace at the defaults twice
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -432,6 +433,11 @@ for stage in "$@"; do
             trace_per_setting 60 qwen2.5-0.5b "" "$k" ""
             e2e_per_setting 80 qwen2.5-0.5b "$k"
             (export $k; gpu_tests 150)
+            ;;
+        final30)  # the fixed tests, every GPU test, Qwen's step twice at the defaults
+            new_tests 90 -n 3 tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_cuda_graphs.py tests/gpu/test_qkv_delta.py -k "one_piece or lm_head_delta or decoder_rotary"
+            gpu_tests 150
+            trace_per_setting 50 qwen2.5-0.5b "" ""
             ;;
         conf30)  # session 30's defaults against the knobs that undo them; the new tests; every GPU test; e2e with HF; Llama
             trace_per_setting 50 qwen2.5-0.5b "" "LORASERVE_ONE_PIECE_WHERE_EXACT=0" "LORASERVE_DELTA_IN_K=0 LORASERVE_NORM_SHRINK_FOLD=0 LORASERVE_ONE_PIECE_WHERE_EXACT=0"
