@@ -150,7 +150,9 @@ def bench_ours(model_dir: Path, adapters: list[Path], prompts, new_tokens: int, 
 
         for (bucket, use_lora, *_variant), (graph, _) in g.graphs.items():  # GPU time of one decode step, no host work
             if bucket == n:
-                res[f"graph_replay_ms_{'lora' if use_lora else 'base'}"] = do_bench(
+                key = f"graph_replay_ms_{'lora' if use_lora else 'base'}"
+                assert key not in res, f"two LoRA graph variants of bucket {n}: {list(g.graphs)}"
+                res[key] = do_bench(
                     graph.replay, warmup=5, rep=50, return_mode="median"
                 )
         res["kernels_ms_per_step_base"] = kernel_breakdown(llm, prompts, base)

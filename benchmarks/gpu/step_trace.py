@@ -111,6 +111,7 @@ def trace_shape(shape: str, root: Path, out: Path, batch: int, lora_dtype: str, 
     for (bucket, use_lora, *_variant), (graph, _) in sorted(graphs.items()):
         if bucket != batch:
             continue
+        assert use_lora not in res, f"two LoRA graph variants of bucket {batch}: {list(graphs)}"
         label = f"{shape} {'8 adapters' if use_lora else 'base'} (bucket {bucket}, LoRA {lora_dtype})"
         ks = graph_kernels(graph, str(out / f"{shape}_{'lora' if use_lora else 'base'}.json"))
         res[use_lora] = summarize(label, ks, layers)

@@ -17,7 +17,8 @@ capture changes them). Whether the embedding and lm_head add their deltas is par
 graph skips those launches (the lm_head's run over the whole vocabulary); a step with an adapter that has one
 replays the graph that runs them. So is whether every slot of the step has its linear layers' A exactly in
 their weights' dtype (``LoRAMapping.a_exact_in_w``: the GEMMs that compute o's and down's shrink then read one
-piece of A, not two).
+piece of A, not two). So a bucket has up to four LoRA graphs, each captured at the first step that needs it (a
+capture mid-serve: its time, and a logits buffer of its own in the graphs' pool).
 
 The static buffers are filled from pinned host memory by non-blocking copies (engine/transfer.py),
 and a step scheduled ahead (async scheduling) copies its token ids from the device: filling them
@@ -36,6 +37,7 @@ import torch
 
 from loraserve.engine.transfer import copy_from_host
 from loraserve.forward_context import AttentionMetadata, forward_context
+from loraserve.lora.ops import precision
 from loraserve.lora.punica import LoRAMapping, SegmentMeta
 
 
@@ -181,7 +183,7 @@ class DecodeGraphs:
         self._fill(step, Bp, use_lora)
         lm = self.runner.lora_manager
         vocab_lora = use_lora and lm.slots_have_vocab_lora(step.token_slots)
-        a_exact = use_lora and lm.slots_a_exact_in_w(step.token_slots)
+        a_exact = use_lora and precision.ONE_PIECE_WHERE_EXACT and lm.slots_a_exact_in_w(step.token_slots)
         if use_lora:
             lm.punica.kernels.refresh_ranks()
         key = (Bp, use_lora, vocab_lora, a_exact)

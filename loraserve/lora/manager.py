@@ -37,7 +37,7 @@ from loraserve.lora.errors import (
     UnknownAdapterError,
 )
 from loraserve.lora.layers import LORA_LAYER_CLASSES, BaseLayerWithLoRA, LogitsProcessorWithLoRA
-from loraserve.lora.layers.base_linear import BaseLinearLayerWithLoRA
+from loraserve.lora.layers.row_parallel_linear import RowParallelLinearWithLoRA
 from loraserve.lora.layers.vocab_extras import VocabExtras
 from loraserve.lora.mapping import LoRATarget, find_lora_targets
 from loraserve.lora.mixtures import combine_adapters
@@ -277,14 +277,17 @@ class LoRAManager:
 
     def _free_slot(self, lid: int) -> None:
         if lid in self._slot_lru:
-            slot = self._slot_ids.index(lid)
-            for m in self.modules.values():
-                m.reset_lora(slot)
-            self._slot_ids[slot] = None
-            self._slot_extras[slot] = False
-            self._slot_vocab[slot] = False
-            self._slot_a_exact_in_w[slot] = True
+            self._empty_slot(self._slot_ids.index(lid))
             del self._slot_lru[lid]
+
+    def _empty_slot(self, slot: int) -> None:
+        """Every module's slot zeroed, the slot listed empty and its flags as an empty slot's."""
+        for m in self.modules.values():
+            m.reset_lora(slot)
+        self._slot_ids[slot] = None
+        self._slot_extras[slot] = False
+        self._slot_vocab[slot] = False
+        self._slot_a_exact_in_w[slot] = True
 
     def slots_have_vocab_lora(self, slots: list[int]) -> bool:
         """Whether any of these slots (-1 = base) holds an adapter with an embedding or lm_head A/B: a CUDA graph's
@@ -292,7 +295,7 @@ class LoRAManager:
         return any(self._slot_vocab[s] for s in set(slots) if s >= 0)
 
     def slots_a_exact_in_w(self, slots: list[int]) -> bool:
-        """Whether every one of these slots (-1 = base) has its linear layers' A exactly in their weights' dtype:
+        """Whether every one of these slots (-1 = base) has its row-parallel layers' A exactly in their weights' dtype:
         a CUDA graph's key (``LoRAMapping.a_exact_in_w``; with it, the GEMMs that compute a shrink read one piece
         of A). One flag per slot."""
         return all(self._slot_a_exact_in_w[s] for s in set(slots) if s >= 0)
@@ -328,14 +331,21 @@ class LoRAManager:
             del self._slot_lru[victim]
             self.stats["slot_evictions"] += 1
         stream = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else nullcontext()
-        with stream:
-            lm_head = getattr(getattr(self.model, "lm_head", None), "weight", None)
-            for path, m in self.modules.items():
-                pack = packed.per_module.get(path)
-                if pack is None:
-                    m.reset_lora(slot)
-                else:
-                    pack.write(m, slot, lm_head)
+        try:
+            with stream:
+                lm_head = getattr(getattr(self.model, "lm_head", None), "weight", None)
+                for path, m in self.modules.items():
+                    pack = packed.per_module.get(path)
+                    if pack is None:
+                        m.reset_lora(slot)
+                    else:
+                        pack.write(m, slot, lm_head)
+        except Exception:
+            # a module refused the adapter (its error goes on to the caller): the slot is left empty, not half
+            # written nor still listed under the adapter it evicted
+            with stream:
+                self._empty_slot(slot)
+            raise
         if self._copy_stream is not None:
             ev = torch.cuda.Event()
             ev.record(self._copy_stream)
@@ -343,8 +353,9 @@ class LoRAManager:
         self._slot_ids[slot] = lid
         self._slot_extras[slot] = any(m.slot_has_extras(slot) for m in self.modules.values())
         self._slot_vocab[slot] = any(m.slot_ranks[slot] for m in self.modules.values() if isinstance(m, VocabExtras))
+        # (the row-parallel layers: only their GEMM computes a shrink from A's pieces, gemm_shrink_rows)
         self._slot_a_exact_in_w[slot] = all(
-            m.slot_a_exact_in_w[slot] for m in self.modules.values() if isinstance(m, BaseLinearLayerWithLoRA)
+            m.slot_a_exact_in_w[slot] for m in self.modules.values() if isinstance(m, RowParallelLinearWithLoRA)
         )
         self._slot_lru[lid] = None
         self.stats["slot_loads"] += 1

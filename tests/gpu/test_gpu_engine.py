@@ -155,8 +155,9 @@ def test_norm_shrink_under_graphs_matches_peft(models_kv64, monkeypatch):
 @pytest.mark.parametrize("in_k", [False, True], ids=["gate-up-default", "gate-up-in-k"])
 def test_norm_shrink_fold_under_graphs_matches_peft(models_kv64, monkeypatch, in_k):
     """The norms' shrink from the row before its normalization (LORASERVE_NORM_SHRINK_FOLD, ``norm_shrink.FOLD``),
-    with gate/up's delta in the gated launch or as more K of its GEMM: both norms of every layer take it under CUDA
-    graphs with every adapter in the batch, and bf16 logprobs are within 2e-2 of HF + PEFT's."""
+    with gate/up's delta in the gated launch or as more K of its GEMM: the fused norm runs for qkv and gate/up (the
+    fold's own numbers: test_norm_shrink's unit test) under CUDA graphs with every adapter in the batch, and bf16
+    logprobs are within 2e-2 of HF + PEFT's."""
     from loraserve.lora.ops import delta_in_k
     from loraserve.lora.ops.triton import norm_shrink as ns
 

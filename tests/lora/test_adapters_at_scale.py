@@ -204,3 +204,34 @@ def test_pinned_adapter_stays_resident(base, tmp_path):
     with pytest.raises(Exception, match="pin"):
         llm.pin_lora(2)  # one slot must stay free for the others
     _check_no_leaks(llm)
+
+
+def test_a_slot_write_a_module_refuses_leaves_the_slot_empty(base, tmp_path, monkeypatch):
+    """A module that refuses an adapter while its slot is written (e.g. delta_in_k's range check, on the GPU) raises
+    to the caller; the slot is left empty (every module's rows zero), not half written nor still listed under the
+    adapter it evicted, and the next adapter takes it and serves as a fresh engine does."""
+    llm = _llm(base, max_loras=1)
+    prompt = [{"prompt_token_ids": [9, 8, 7, 6]}]
+    a, b, c = (LoRARequest(n, i + 1, write_adapter(tmp_path / n, i + 1, 4)) for i, n in enumerate("abc"))
+    llm.generate(prompt, SP, lora_request=a)
+    mgr = llm.engine.lora_manager
+    assert mgr._slot_ids == [1]
+    path, down = next((p, m) for p, m in mgr.modules.items() if p.endswith("layers.1.mlp.down_proj"))
+
+    def refusing(index, lora_a, lora_b):
+        raise ValueError("refused by the test")
+
+    monkeypatch.setattr(down, "set_lora", refusing)
+    llm.add_lora(b)
+    with pytest.raises(ValueError, match="refused by the test"):
+        mgr.activate(2, set())
+    assert mgr._slot_ids == [None] and mgr.slot_of(1) is None and mgr.slot_of(2) is None
+    assert all(a_.abs().sum() == 0 for m in mgr.modules.values() for a_ in getattr(m, "lora_a_stacked", ())), (
+        "every module's slot is zero, the ones written before the refusal too"
+    )
+    monkeypatch.undo()
+    got = llm.generate(prompt, SP, lora_request=c)[0]
+    want = _llm(base, max_loras=1).generate(prompt, SP, lora_request=c)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert mgr._slot_ids == [3]
+    _check_no_leaks(llm)

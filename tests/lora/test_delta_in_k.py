@@ -4,6 +4,7 @@ times [x | that slice's s] = x W^T + s_i B_i^T per token. Pure torch (the kernel
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -69,15 +70,34 @@ def test_applies_only_where_it_is_on(monkeypatch):
     assert not delta_in_k.applies(w, b, 1, False), "off"
 
 
-def test_a_b_past_the_weights_range_is_refused():
-    """Every token's product reads every slot's columns: a B that overflows W's dtype would reach them all."""
-    layer = nn.Linear(128, 256, bias=False).half()
-    B = (torch.full((2, 1, 128, 4), 1e6), torch.zeros(2, 1, 128, 4))
-    wide = delta_in_k.widen(layer, B)
-    try:
-        delta_in_k.write_slot(wide, 128, B, 1)
-    except ValueError as e:
-        assert "LORASERVE_DELTA_IN_K" in str(e) and "slot 1" in str(e)
-    else:
-        raise AssertionError("an fp16 overflow was written")
-    assert torch.equal(wide[:, 128:], torch.zeros(256, 8, dtype=torch.float16)), "nothing written"
+def test_a_b_past_the_weights_range_is_refused_before_anything_is_written():
+    """Every token's product reads every slot's columns: a B that overflows W's dtype would reach them all. The layer
+    refuses it in set_lora (on the adapter's own tensors: no device sync in the engine's loads), before writing."""
+    from loraserve.config import LoRAConfig
+    from loraserve.layers.linear import MergedColumnParallelLinear
+    from loraserve.lora.layers import MergedColumnParallelLinearWithLoRA
+
+    base = MergedColumnParallelLinear(128, [128, 128], params_dtype=torch.float16)
+    layer = MergedColumnParallelLinearWithLoRA(base)
+    layer.create_lora_weights(2, LoRAConfig(max_loras=2, max_lora_rank=4, lora_dtype=torch.float32))
+    assert layer.w_in_k is None, "the CPU: no fused decode path"
+    layer.w_in_k = delta_in_k.widen(base, layer.lora_b_stacked)  # as create_lora_weights does on the GPU
+    a = [torch.ones(4, 128), torch.ones(4, 128)]
+    with pytest.raises(ValueError, match="slot 1: a LoRA B value is past torch.float16's range.*LORASERVE_DELTA_IN_K=0"):
+        layer.set_lora(1, a, [torch.full((128, 4), 1e6), torch.zeros(128, 4)])
+    assert all(t.abs().sum() == 0 for t in (*layer.lora_a_stacked, *layer.lora_b_stacked)), "nothing written"
+    assert torch.equal(layer.w_in_k[:, 128:], torch.zeros(256, 8, dtype=torch.float16))
+    layer.set_lora(1, a, [torch.full((128, 4), 2.0), torch.zeros(128, 4)])
+    assert torch.equal(layer.w_in_k[:128, 128 + 4 : 128 + 8], torch.full((128, 4), 2.0, dtype=torch.float16))
+    with pytest.raises(ValueError, match="not finite"):
+        delta_in_k.refuse_past_range([None, torch.tensor([[float("nan")]])], torch.float16, torch.bfloat16, 0)
+
+
+def test_more_slot_columns_than_measured_are_not_taken():
+    """The GEMM reads every slot's columns whatever ranks a step uses: past MAX_SLOT_COLUMNS (8 x 16, what was
+    measured faster) the gated SiLU-and-mul keeps gate/up's delta."""
+    w = torch.zeros(2 * 4864, 896, dtype=torch.bfloat16)
+    b = lambda S, R: (torch.zeros(S, 1, 4864, R), torch.zeros(S, 1, 4864, R))  # noqa: E731
+    assert delta_in_k.fits(w, b(8, 16)) and delta_in_k.fits(w, b(4, 32))
+    assert not delta_in_k.fits(w, b(4, 64)), "the engine's default max_loras 4 x max_lora_rank 64: 256 columns"
+    assert not delta_in_k.fits(w, b(16, 16))

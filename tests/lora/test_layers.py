@@ -550,9 +550,9 @@ def test_vocab_wrappers_skip_their_delta_where_no_active_slot_has_a_rank():
     hidden = torch.randn(3, H).to(torch.bfloat16)
     base_emb, base_logits = base.weight[ids], F.linear(hidden, lm_head.weight).float()
 
-    def run(slots, vocab_lora=None):
+    def run(slots, vocab_lora=None, logit_slots=None):
         calls.clear()
-        mapping = replace(LoRAMapping.build(slots, slots, CPU), vocab_lora=vocab_lora)
+        mapping = replace(LoRAMapping.build(slots, logit_slots or slots, CPU), vocab_lora=vocab_lora)
         with forward_context(lora=mapping):
             return emb(ids), logits(lm_head, hidden)
 
@@ -566,6 +566,12 @@ def test_vocab_wrappers_skip_their_delta_where_no_active_slot_has_a_rank():
     assert not torch.equal(got_emb[1], base_emb[1]) and not torch.equal(got_logits[1], base_logits[1])
     got_emb, got_logits = run([2, 1, 2], vocab_lora=False)
     assert calls == [] and torch.equal(got_emb, base_emb) and torch.equal(got_logits, base_logits)
+    # each wrapper looks at its own rows' slots: the embedding at the tokens', the lm_head at the logits rows'
+    got_emb, got_logits = run([2, 2, 2], logit_slots=[1, -1, 2])
+    assert calls == ["add_lora_logits"] and torch.equal(got_emb, base_emb) and not torch.equal(got_logits, base_logits)
+    logits.reset_lora(1)  # slot 1: a rank in the embedding only
+    got_emb, got_logits = run([1, -1, 2], logit_slots=[1, 1, 2])
+    assert calls == ["add_lora_embedding"] and not torch.equal(got_emb, base_emb) and torch.equal(got_logits, base_logits)
 
 
 # ---- can_replace_layer: exactly one class claims each case ----------------------------------------------

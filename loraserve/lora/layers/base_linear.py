@@ -60,7 +60,8 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         self.slot_has_bias = [False] * max_loras
         self.slot_has_dora = [False] * max_loras
         self._gemm_rows: torch.Tensor | None = None  # (gemm_shrink_rows) built on first use
-        # per slot: its A is exactly in W's dtype (every piece past the first zero; zeros are: a reset slot's too)
+        # per slot: its A is exactly in W's dtype (every piece past the first zero; zeros are: a reset slot's too). Kept
+        # by set_lora here; the sharded column wrappers' own set_lora leaves it alone (nothing reads it for them)
         self.slot_a_exact_in_w = [True] * max_loras
 
     def reset_lora(self, index: int) -> None:

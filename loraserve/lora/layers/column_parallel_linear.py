@@ -82,7 +82,7 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
 
     def create_lora_weights(self, max_loras: int, lora_config, model_config=None) -> None:
         super().create_lora_weights(max_loras, lora_config, model_config)
-        # the delta as more K of the GEMM (delta_in_k, opt-in): W widened now, before any graph reads it
+        # the delta as more K of the GEMM (delta_in_k, on by default where it fits): W widened now, before any graph reads it
         sharded = bool(getattr(lora_config, "fully_sharded_loras", False))
         if self.n_slices == 2 and delta_in_k.applies(self.base_layer.weight, self.lora_b_stacked, self.tp_size, sharded):
             self.w_in_k = delta_in_k.widen(self.base_layer, self.lora_b_stacked)
@@ -92,6 +92,9 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
         self._write_in_k(index)
 
     def set_lora(self, index: int, lora_a, lora_b) -> None:
+        if self.w_in_k is not None:  # before anything is written
+            pieces = self.slice_lora_b(self.as_slices(lora_b, self.n_slices))
+            delta_in_k.refuse_past_range(pieces, self.lora_b_stacked[0].dtype, self.w_in_k.dtype, index)
         super().set_lora(index, lora_a, lora_b)
         self._write_in_k(index)
 

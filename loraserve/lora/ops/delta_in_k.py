@@ -38,6 +38,9 @@ import torch
 # On by default (measured faster, above); a module attribute
 ENABLED = os.environ.get("LORASERVE_DELTA_IN_K", "1") != "0"
 MAX_K = 1536  # the hidden sizes where it is taken (gated_lora.GATED_MAX_K's small models; Llama-8B's gate_up: 5.6 vs 5.1 µs)
+# S * R up to which it is taken: the GEMM reads every slot's columns whatever ranks a step uses, so its cost grows with
+# the slots (256 columns, the first form's, measured slower: session 29); 128 is what was measured faster (8 x 16)
+MAX_SLOT_COLUMNS = 128
 # The decode GEMM's K step and its largest column block (triton_decode_linear.default_tiles: 128 each)
 K_STEP = 128
 
@@ -45,9 +48,11 @@ K_STEP = 128
 def fits(weight: torch.Tensor, lora_b_stacked: tuple[torch.Tensor, ...]) -> bool:
     """Whether this base weight (N, K) and two slices' B stacks (S, 1, N_i, R) have the shapes the path takes: half
     precision, K at most MAX_K and a multiple of the decode GEMM's K step (the second slice's columns start on a
-    step), each slice a multiple of its largest column block (a block never straddles the two slices)."""
+    step), each slice a multiple of its largest column block (a block never straddles the two slices), S * R at
+    most MAX_SLOT_COLUMNS."""
     return (
         len(lora_b_stacked) == 2
+        and slot_columns(lora_b_stacked) <= MAX_SLOT_COLUMNS
         and weight.dim() == 2
         and weight.dtype in (torch.float16, torch.bfloat16)
         and weight.is_contiguous()
@@ -81,17 +86,23 @@ def widen(layer: torch.nn.Module, lora_b_stacked: tuple[torch.Tensor, ...]) -> t
     return wide
 
 
+def refuse_past_range(lora_b: list[torch.Tensor | None], stack_dtype: torch.dtype, w_dtype: torch.dtype, slot: int) -> None:
+    """Raise ValueError where a slice's B (as ``set_lora`` receives it: on the host for the engine's loads, so no
+    device sync), stored in ``stack_dtype`` and rounded to W's, holds a value past W's dtype (or not finite). Every
+    token's product reads every slot's columns (times zeros where the slot is not its own): such a value would reach
+    every request, where the default path keeps it to the adapter's own tokens."""
+    if not all(b is None or torch.isfinite(b.to(stack_dtype).to(w_dtype)).all() for b in lora_b):
+        raise ValueError(
+            f"slot {slot}: a LoRA B value is past {w_dtype}'s range (or not finite), which gate/up's delta as more K "
+            "would add to every token's product: serve this adapter with LORASERVE_DELTA_IN_K=0"
+        )
+
+
 def write_slot(wide: torch.Tensor, K: int, lora_b_stacked: tuple[torch.Tensor, ...], slot: int) -> None:
-    """Slot ``slot``'s B of every slice into its columns, in that slice's rows, rounded to the weight's dtype."""
+    """Slot ``slot``'s B of every slice into its columns, in that slice's rows, rounded to the weight's dtype
+    (``refuse_past_range`` checked them first)."""
     R = lora_b_stacked[0].shape[3]
     rounded = [b[slot, 0].to(wide.dtype) for b in lora_b_stacked]
-    # every token's product reads every slot's columns (times zeros where the slot is not its own): a value past
-    # the dtype's range would reach every request, where the default path keeps it to the adapter's own tokens
-    if not all(torch.isfinite(r).all() for r in rounded):
-        raise ValueError(
-            f"slot {slot}: a LoRA B value is past {wide.dtype}'s range (or not finite), which LORASERVE_DELTA_IN_K "
-            "would add to every token's product: serve this adapter without it (unset LORASERVE_DELTA_IN_K)"
-        )
     row, col = 0, K + slot * R
     for r in rounded:
         wide[row : row + r.shape[0], col : col + R] = r

@@ -4,6 +4,7 @@ LoRA'd qkv or gate/up projection (on by default: ``ENABLED``; ``LORASERVE_NORM_S
 
     out, residual' = the norm's own numbers (``triton_elementwise``'s kernels, the same jit helper)
     buf[0, i, t, r] = sum_k A_i[slot(t), r, k] * out[t, k]      (fp32; zeros for r >= rank(slot(t)))
+                    (``FOLD``, the default for rows up to FOLD_MAX_BLOCK: the same of the unrounded norm)
 
 Why: on a small model's decode step every launch is latency, and the separate shrink sits between the
 norm and the GEMM's epilogue, which waits for it. Here a program loads its tile of A (weights, and the
@@ -97,7 +98,7 @@ def _norm_shrink_kernel(
     a_ptrs = a_ptrs + offs_r[:, None] * stride_ar + offs[None, :]
     a = tl.load(a_ptrs, mask=(offs_r < rank)[:, None] & mask[None, :], other=0.0)
     w_early = norm_weight_early(w_ptr, offs, mask, W_EARLY)
-    if FOLD:  # A's tile times the norm's weight, exact fp32 products, while the kernel before runs
+    if FOLD:  # A's tile times the norm's weight (fp32: exact products for a half-precision weight), while the kernel before runs
         w_fold = w_early if W_EARLY else tl.load(w_ptr + offs, mask=mask, other=0.0)
         a = a.to(tl.float32) * w_fold.to(tl.float32)[None, :]
     if HAS_DELTA:  # every program of the row adds it (a few KB of B each: cheaper than a round trip between them)
@@ -161,7 +162,7 @@ def norm_shrink(
     """(out, residual', buf): ``fused_add_rms_norm(x, residual, weight, eps)`` (``rms_norm`` when residual is
     None, residual' None), and buf (1, n_slices, T, R) fp32 = out @ A_i[slot]^T per token with a slot
     (``lora_shrink(..., zero_fill=True)``'s output: every column r < R written, zeros past the slot's rank;
-    rows of base tokens unwritten). x: (T, K); token_slots: (T,) int, -1 = base; ranks: int32 per slot.
+    rows of base tokens unwritten; with ``FOLD``, out unrounded: see the module's docstring). x: (T, K); token_slots: (T,) int, -1 = base; ranks: int32 per slot.
     ``delta``: x's pending LoRA delta (a ``punica.PendingDelta``), added to x first (``row_delta``).
 
     ``in_k`` (``delta_in_k``): instead of buf, x_aug (T, K + n*S*R) in out's dtype, whose first K columns are out
