@@ -107,6 +107,8 @@
 #                                               on (PDL chain on and off) and off; every GPU test; bench_e2e both shapes with HF
 #                                               + PEFT (8 of its new tokens); Llama-8B step_trace
 #   bash benchmarks/gpu/run_device.sh final30   # conf30's failed tests after their fixes, every GPU test, Qwen step_trace at the defaults twice
+#   bash benchmarks/gpu/run_device.sh post30    # after session 30's review fixes (run on the CPU only): every GPU test, Qwen step_trace
+#                                               and bench_e2e Qwen at the defaults
 #   bash benchmarks/gpu/run_device.sh trace8b21 # step_trace.py on the Llama-8B shape: o's shrink in attention off (the default), then on
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -433,6 +435,11 @@ for stage in "$@"; do
             trace_per_setting 60 qwen2.5-0.5b "" "$k" ""
             e2e_per_setting 80 qwen2.5-0.5b "$k"
             (export $k; gpu_tests 150)
+            ;;
+        post30)  # session 30's review fixes on the GPU: every GPU test, Qwen's step and e2e at the defaults
+            gpu_tests 170
+            trace_per_setting 50 qwen2.5-0.5b ""
+            e2e_per_setting 60 qwen2.5-0.5b ""
             ;;
         final30)  # the fixed tests, every GPU test, Qwen's step twice at the defaults
             new_tests 90 -n 3 tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_cuda_graphs.py tests/gpu/test_qkv_delta.py -k "one_piece or lm_head_delta or decoder_rotary"
