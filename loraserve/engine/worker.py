@@ -330,14 +330,7 @@ class Worker:
         self._packed[req] = packed
         while len(self._packed) > m.config.max_cpu_loras:
             self._packed.popitem(last=False)
-        lm_head = getattr(getattr(m.model, "lm_head", None), "weight", None)
-        # NOTE: the same writes as LoRAManager._write_slot, into a slot rank 0 chose
-        for path, module in m.modules.items():
-            pack = packed.per_module.get(path)
-            if pack is None:
-                module.reset_lora(slot)
-            else:
-                pack.write(module, slot, lm_head)
+        m.write_modules(slot, packed)  # the same writes as rank 0's, into the slot it chose
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -280,6 +280,17 @@ class LoRAManager:
             self._empty_slot(self._slot_ids.index(lid))
             del self._slot_lru[lid]
 
+    def write_modules(self, slot: int, packed: PackedAdapter) -> None:
+        """Every module's slot ``slot`` from ``packed`` (zeros in the modules it does not target): what a slot load
+        writes, here and on the tensor-parallel workers (into the slot rank 0 chose)."""
+        lm_head = getattr(getattr(self.model, "lm_head", None), "weight", None)
+        for path, m in self.modules.items():
+            pack = packed.per_module.get(path)
+            if pack is None:
+                m.reset_lora(slot)
+            else:
+                pack.write(m, slot, lm_head)
+
     def _empty_slot(self, slot: int) -> None:
         """Every module's slot zeroed, the slot listed empty and its flags as an empty slot's."""
         for m in self.modules.values():
@@ -333,13 +344,7 @@ class LoRAManager:
         stream = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else nullcontext()
         try:
             with stream:
-                lm_head = getattr(getattr(self.model, "lm_head", None), "weight", None)
-                for path, m in self.modules.items():
-                    pack = packed.per_module.get(path)
-                    if pack is None:
-                        m.reset_lora(slot)
-                    else:
-                        pack.write(m, slot, lm_head)
+                self.write_modules(slot, packed)
         except Exception:
             # a module refused the adapter (its error goes on to the caller): the slot is left empty, not half
             # written nor still listed under the adapter it evicted
