@@ -55,6 +55,28 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     setattr(parent, name, new)
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotTraits:
+    """What a slot's adapter asks of a step's path, read from the modules once it is written (an empty slot's
+    are the defaults): PEFT extras (DoRA, biases, ...: the step runs eagerly), an embedding or lm_head A/B (the
+    vocab deltas run), every row-parallel layer's A exactly in its weight's dtype (their GEMMs' shrink reads one
+    piece of A). The last two are CUDA graphs' keys."""
+
+    extras: bool = False
+    vocab_lora: bool = False
+    a_exact_in_w: bool = True
+
+    @classmethod
+    def of(cls, slot: int, modules) -> SlotTraits:
+        modules = list(modules)
+        return cls(
+            extras=any(m.slot_has_extras(slot) for m in modules),
+            vocab_lora=any(m.slot_ranks[slot] for m in modules if isinstance(m, VocabExtras)),
+            # (only the row-parallel layers' GEMM computes a shrink from A's pieces: gemm_shrink_rows)
+            a_exact_in_w=all(m.slot_a_exact_in_w[slot] for m in modules if isinstance(m, RowParallelLinearWithLoRA)),
+        )
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, hf_config, device: torch.device):
         self.model = model
@@ -74,9 +96,7 @@ class LoRAManager:
         self._registered: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, PackedAdapter] = OrderedDict()  # LRU: oldest first
         self._slot_ids: list[int | None] = [None] * config.max_loras
-        self._slot_extras = [False] * config.max_loras  # a slot whose adapter has PEFT extras (DoRA, biases, ...)
-        self._slot_vocab = [False] * config.max_loras  # a slot whose adapter has an embedding or lm_head A/B
-        self._slot_a_exact_in_w = [True] * config.max_loras  # a slot whose linear layers' A are exactly in W's dtype
+        self._slot_traits = [SlotTraits() for _ in range(config.max_loras)]  # what the steps' paths ask of a slot
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # resident ids, least recently used first
         self._refs: Counter[int] = Counter()
         self._pinned: set[int] = set()
@@ -296,25 +316,23 @@ class LoRAManager:
         for m in self.modules.values():
             m.reset_lora(slot)
         self._slot_ids[slot] = None
-        self._slot_extras[slot] = False
-        self._slot_vocab[slot] = False
-        self._slot_a_exact_in_w[slot] = True
+        self._slot_traits[slot] = SlotTraits()
 
     def slots_have_vocab_lora(self, slots: list[int]) -> bool:
         """Whether any of these slots (-1 = base) holds an adapter with an embedding or lm_head A/B: a CUDA graph's
         key (``LoRAMapping.vocab_lora``; without one, the graph skips those deltas). One flag per slot."""
-        return any(self._slot_vocab[s] for s in set(slots) if s >= 0)
+        return any(self._slot_traits[s].vocab_lora for s in set(slots) if s >= 0)
 
     def slots_a_exact_in_w(self, slots: list[int]) -> bool:
         """Whether every one of these slots (-1 = base) has its row-parallel layers' A exactly in their weights' dtype:
         a CUDA graph's key (``LoRAMapping.a_exact_in_w``; with it, the GEMMs that compute a shrink read one piece
         of A). One flag per slot."""
-        return all(self._slot_a_exact_in_w[s] for s in set(slots) if s >= 0)
+        return all(self._slot_traits[s].a_exact_in_w for s in set(slots) if s >= 0)
 
     def slots_have_extras(self, slots: list[int]) -> bool:
         """Whether any of these slots (-1 = base) holds an adapter with PEFT extras: such steps run
         eagerly (see BaseLayerWithLoRA.slot_has_extras). Cheap: one flag per slot, set when written."""
-        return any(self._slot_extras[s] for s in set(slots) if s >= 0)
+        return any(self._slot_traits[s].extras for s in set(slots) if s >= 0)
 
     def slot_of(self, lid: int) -> int | None:
         return self._slot_ids.index(lid) if lid in self._slot_lru else None
@@ -356,12 +374,7 @@ class LoRAManager:
             ev.record(self._copy_stream)
             self._slot_ready[slot] = ev
         self._slot_ids[slot] = lid
-        self._slot_extras[slot] = any(m.slot_has_extras(slot) for m in self.modules.values())
-        self._slot_vocab[slot] = any(m.slot_ranks[slot] for m in self.modules.values() if isinstance(m, VocabExtras))
-        # (the row-parallel layers: only their GEMM computes a shrink from A's pieces, gemm_shrink_rows)
-        self._slot_a_exact_in_w[slot] = all(
-            m.slot_a_exact_in_w[slot] for m in self.modules.values() if isinstance(m, RowParallelLinearWithLoRA)
-        )
+        self._slot_traits[slot] = SlotTraits.of(slot, self.modules.values())
         self._slot_lru[lid] = None
         self.stats["slot_loads"] += 1
         return slot
