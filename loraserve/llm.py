@@ -118,7 +118,30 @@ class LLM:
                 items.append((p.get("prompt"), sp, list(p["prompt_token_ids"]), lr))
             else:
                 items.append((p, sp, None, lr))
-        return self.engine.generate_all(items)
+        return self._run_to_completion(items)
+
+    def _run_to_completion(self, items: list[tuple]) -> list[RequestOutput]:
+        """Run (prompt, params, prompt_token_ids, lora_request) items to completion; outputs in order.
+
+        A request the engine fails comes back finished with finish_reason "error" and its ``error``.
+        """
+        eng = self.engine
+        ids = []
+        try:
+            for prompt, params, tok_ids, lora in items:
+                rid = eng.new_request_id()
+                eng.add_request(rid, prompt, params, tok_ids, lora)
+                ids.append(rid)
+            done: dict[str, RequestOutput] = {}
+            while len(done) < len(ids):
+                for o in eng.step():
+                    if o.finished:
+                        done[o.request_id] = o
+        except BaseException:
+            for rid in ids:  # a refused prompt or an interrupt leaves none of this call's requests behind
+                eng.abort_request(rid)
+            raise
+        return [done[r] for r in ids]
 
     def chat(
         self,

@@ -23,7 +23,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
 
     @property
@@ -41,3 +41,6 @@ class RequestOutput:
     finished: bool
     lora_request: object | None = None
     metrics: dict = field(default_factory=dict)
+    error: str | None = (
+        None  # set when the engine failed the request: what went wrong (finish_reason "error")
+    )

@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -42,9 +41,11 @@ from transformers import AutoConfig, AutoTokenizer
 
 from loraserve.config import EngineConfig, resolve_dtype
 from loraserve.engine.detokenizer import detokenize_incrementally, fast_decoder, find_stop_string
+from loraserve.engine.failures import device_usable, non_finite_message
 from loraserve.engine.kv_cache import BlockManager
+from loraserve.engine.logprobs import LogprobRows, logprob_dict, record_prompt_logprobs, step_logprob_stats
 from loraserve.engine.model_runner import ModelRunner, RunnerOutput, size_kv_cache
-from loraserve.engine.sampler import Sampler, TopLogprobs, logprob_stats, unpack_logprobs
+from loraserve.engine.sampler import NO_TOKEN, Sampler, TopLogprobs, unpack_logprobs
 from loraserve.engine.scheduler import ScheduledBatch, Scheduler
 from loraserve.engine.sequence import Request, Sequence
 from loraserve.engine.timings import StepClock, StepTimings
@@ -52,7 +53,7 @@ from loraserve.engine.transfer import HostCopy, to_device
 from loraserve.engine.worker import EngineDeadError, start_tensor_parallel
 from loraserve.lora.request import LoRARequest
 from loraserve.models.loader import build_model, resolve_model_dir
-from loraserve.outputs import CompletionOutput, Logprob, RequestOutput
+from loraserve.outputs import RequestOutput
 from loraserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,15 +61,6 @@ logger = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request is invalid (too long, bad token ids, ...); the message says how to fix it."""
-
-
-@dataclass
-class LogprobRows:
-    """Whose rows a step's logprob stats hold: the prompt pieces first, then the sampled tokens."""
-
-    prompt: list[tuple[Sequence, int, list[int]]]  # seq, first position, the prompt tokens predicted
-    ks: list[int]  # top-k kept per row
-    sample_row0: int | None  # first row of the sampled tokens; None = their logprobs were not asked for
 
 
 @dataclass
@@ -114,7 +106,9 @@ class LLMEngine:
             self.lora_manager = LoRAManager(self.model, config.lora, self.hf_config, self.device)
 
         sc = config.scheduler
-        num_blocks = size_kv_cache(self.model, config.cache, self.dtype, self.device, sc.max_num_seqs, self.max_model_len)
+        num_blocks = size_kv_cache(
+            self.model, config.cache, self.dtype, self.device, sc.max_num_seqs, self.max_model_len
+        )
         self.blocks = BlockManager(num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(sc, self.blocks, adapters=self.lora_manager)
         self.runner = ModelRunner(self.model, self.blocks, self.dtype, self.device, self.lora_manager)
@@ -131,6 +125,8 @@ class LLMEngine:
         self._sync_device = self.device if config.env.profile_sync else None
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
+        self.consecutive_step_failures = 0
+        self.dead: EngineDeadError | None = None  # set once a failure leaves the engine unable to go on
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
 
@@ -193,7 +189,9 @@ class LLMEngine:
             # completion i uses seed + i; its generator is made on the device when it first samples
             seed = None if params.seed is None else params.seed + i
             seqs.append(
-                Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, lora_request, seed)
+                Sequence(
+                    next(self._seq_ids), request_id, i, list(prompt_token_ids), params, lora_request, seed
+                )
             )
         req = Request(request_id, prompt, list(prompt_token_ids), params, lora_request, seqs)
         self.requests[request_id] = req
@@ -213,6 +211,11 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}); pass ids of this model"
+            )
         # NOTE: the longest this request can get must fit the whole cache, or preemption livelocks
         # (it evicts itself forever); the last sampled token needs no KV, hence the - 1.
         reach = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
@@ -235,12 +238,16 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def is_healthy(self) -> bool:
-        """False once a tensor-parallel worker died or a collective failed: the engine cannot recover."""
-        return self.workers is None or self.workers.is_healthy()
+        """False once the engine gave up (``_fail_step``), a tensor-parallel worker died or a collective
+        failed: the engine cannot recover."""
+        return self.dead is None and (self.workers is None or self.workers.is_healthy())
 
     def _check_healthy(self) -> None:
-        """Tensor parallelism: a dead worker fails every request and raises EngineDeadError."""
-        err: EngineDeadError | None = self.workers.failure() if self.workers is not None else None
+        """A dead engine, or under tensor parallelism a dead worker: fails every request and raises
+        EngineDeadError."""
+        err: EngineDeadError | None = self.dead
+        if err is None and self.workers is not None:
+            err = self.workers.failure()
         if err is not None:
             for rid in list(self.requests):
                 self.abort_request(rid)
@@ -258,6 +265,7 @@ class LLMEngine:
         this call may launch the next one before reading this one back."""
         self._check_healthy()
         clock = self.step_timings.start(self._sync_device)
+        batches: list[ScheduledBatch] = []  # what this call runs: the requests to fail if it raises
         try:
             launched, self._inflight = self._inflight, None
             if launched is None:  # nothing carried over from the last call: schedule now
@@ -265,16 +273,60 @@ class LLMEngine:
                 clock.lap("schedule")
                 if batch.empty:
                     return self._idle()
+                batches.append(batch)
                 launched = self._launch(batch, clock)  # prepare -> forward -> sample, queued on the device
+            else:
+                batches.append(launched.batch)
             # async scheduling: queue the next step before reading this one back (None: steps run one by one)
             self._inflight = self._launch_ahead(launched, clock)
             token_ids, top = self._read_back(launched)  # the step's one wait on the device
             clock.lap("wait")
             outputs = self._postprocess(launched, token_ids, top)
             clock.lap("postprocess")
+            self.consecutive_step_failures = 0
             return outputs
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            return self._fail_step(e, batches)
         finally:
             clock.stop()
+
+    def _fail_step(self, exc: Exception, batches: list[ScheduledBatch]) -> list[RequestOutput]:
+        """A step raised: fail its requests (their KV blocks and adapter references freed) and go on.
+
+        The requests are those of the batches the call ran or had launched ahead; all of them when
+        it failed before a batch existed (the scheduler itself). A second failure in a row, or a
+        device left unusable (a CUDA error is sticky), means the engine cannot go on: every request
+        fails and ``EngineDeadError`` is raised; the engine refuses work from then on.
+        """
+        if self._inflight is not None:
+            batches.append(self._inflight.batch)
+            self._inflight = None
+        rids = {s.request_id for b in batches for s in b.seqs} if batches else set(self.requests)
+        self.consecutive_step_failures += 1
+        logger.error(
+            "a step failed (%d in a row); failing its %d requests",
+            self.consecutive_step_failures,
+            len(rids),
+            exc_info=exc,
+        )
+        if self.consecutive_step_failures >= 2 or not (self.is_healthy() and device_usable(self.device)):
+            self.dead = EngineDeadError(f"the engine cannot go on after {exc!r}")
+            for rid in list(self.requests):
+                self.abort_request(rid)
+            raise self.dead from exc
+        msg = f"the engine failed while running this request: {exc!r}; other requests go on"
+        return [self._fail_request(rid, msg) for rid in rids if rid in self.requests]
+
+    def _fail_request(self, request_id: str, message: str) -> RequestOutput:
+        """End every sequence of the request with finish_reason "error" and ``message``; its output."""
+        req = self.requests[request_id]
+        req.error = message
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "error")
+        return self._request_output(req)
 
     def _launch(
         self, batch: ScheduledBatch, clock: StepClock, input_ids: torch.Tensor | None = None
@@ -293,7 +345,11 @@ class LLMEngine:
             raise
         # a step scheduled ahead samples while the last step's token is not appended: one pending each
         sampled = self._sample(out, pending=1 if batch.ahead else 0)
-        stats, rows = self._logprob_stats(batch, out, sampled)
+        # NOTE: NO_TOKEN (-1) marks a row whose logits were not finite; the logprobs gather a valid id
+        valid = sampled.clamp(min=0) if sampled is not None else None
+        stats, rows = step_logprob_stats(
+            batch.seqs, out.prompt_logits, out.sample_seqs, out.sample_logits, valid
+        )
         clock.lap("sample", sync=True)
         return LaunchedStep(batch, out, sampled, rows, HostCopy(sampled, stats))
 
@@ -315,7 +371,7 @@ class LLMEngine:
         clock.lap("schedule")
         if batch.empty:
             return None
-        ids = current.sampled
+        ids = current.sampled.clamp(min=0)  # a NO_TOKEN row's sequence fails: its next token is dropped
         if len(rows) < len(seqs):
             ids = ids.index_select(0, to_device(rows, torch.long, ids.device))
         self.num_launched_ahead += 1
@@ -341,11 +397,14 @@ class LLMEngine:
         failed = self.lora_manager.take_load_errors()
         outs = []
         for req in list(self.requests.values()):
-            if req.lora_request is not None and req.lora_request.lora_int_id in failed:
-                for seq in req.seqs:
-                    if not seq.is_finished:
-                        self._finish(seq, "abort")
-                outs.append(self._request_output(req))
+            lid = req.lora_request.lora_int_id if req.lora_request is not None else None
+            if lid in failed:
+                outs.append(
+                    self._fail_request(
+                        req.request_id,
+                        f"reloading adapter {req.lora_request.lora_name!r} failed: {failed[lid]}",
+                    )
+                )
         if not outs:
             self.lora_manager.wait_for_loads()
         return outs
@@ -384,72 +443,33 @@ class LLMEngine:
                 seq.num_computed_tokens += n
         rows = launched.logprob_rows
         if rows is not None:
-            self._record_prompt_logprobs(rows, top)
+            record_prompt_logprobs(rows, top, self._decode_token)
         row0 = rows.sample_row0 if rows is not None else None
         now = time.monotonic()
+        failed: dict[str, str] = {}
         for i, (seq, tok) in enumerate(zip(out.sample_seqs, token_ids)):
             if seq.is_finished:  # a token of a step launched ahead, after the sequence stopped: dropped
                 self.num_discarded_tokens += 1
                 continue
+            if tok == NO_TOKEN:
+                failed[seq.request_id] = non_finite_message(seq)
+                continue
             if seq.prompt_logprobs is None and seq.params.prompt_logprobs is not None:
-                seq.prompt_logprobs = [None] + [seq.prompt_logprobs_by_pos[p] for p in range(seq.num_prompt_tokens - 1)]
+                seq.prompt_logprobs = [None] + [
+                    seq.prompt_logprobs_by_pos[p] for p in range(seq.num_prompt_tokens - 1)
+                ]
             seq.output_token_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if row0 is not None and seq.logprobs is not None:
-                seq.logprobs.append(self._logprob_dict(top, row0 + i, tok))
+                seq.logprobs.append(logprob_dict(top, row0 + i, tok, self._decode_token))
             self._check_stop(seq, tok)
-        touched = {s.request_id for s in batch.seqs}
-        return [self._request_output(self.requests[r]) for r in touched if r in self.requests]
+        touched = {s.request_id for s in batch.seqs} - failed.keys()
+        outs = [self._fail_request(r, msg) for r, msg in failed.items() if r in self.requests]
+        return outs + [self._request_output(self.requests[r]) for r in touched if r in self.requests]
 
-    def _logprob_stats(
-        self, batch: ScheduledBatch, out: RunnerOutput, sampled: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, LogprobRows | None]:
-        """This step's prompt logprobs and its sampled tokens' logprobs, as stats on the logits' device.
-
-        (None, None) when nobody asked for any. Computed piece by piece (a prompt's logits can be
-        large); nothing waits for the device, and the small result comes back with the sampled ids.
-        """
-        prompt = [(s, *out.prompt_logits[s.seq_id]) for s in batch.seqs if s.seq_id in out.prompt_logits]
-        want_sample = sampled is not None and any(s.params.logprobs is not None for s in out.sample_seqs)
-        if not prompt and not want_sample:
-            return None, None
-        ks: list[int] = []
-        targets: list[list[int]] = []
-        for seq, first_pos, logits in prompt:
-            targets.append(seq.prompt_token_ids[first_pos + 1 : first_pos + 1 + logits.shape[0]])
-            ks += [seq.params.prompt_logprobs] * logits.shape[0]
-        sample_row0 = len(ks) if want_sample else None
-        if want_sample:
-            ks += [s.params.logprobs or 0 for s in out.sample_seqs]
-        kmax = max(ks)
-        pieces = []
-        if prompt:
-            dev = prompt[0][2].device
-            flat = to_device([t for ts in targets for t in ts], torch.long, dev)  # one copy up
-            for (_, _, logits), ids in zip(prompt, flat.split([len(t) for t in targets])):
-                pieces.append(logprob_stats(logits, ids, kmax))
-        if want_sample:
-            pieces.append(logprob_stats(out.sample_logits, sampled, kmax))
-        stats = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        prompt_rows = [(seq, first_pos, ts) for (seq, first_pos, _), ts in zip(prompt, targets)]
-        return stats, LogprobRows(prompt_rows, ks, sample_row0)
-
-    def _record_prompt_logprobs(self, rows: LogprobRows, top: TopLogprobs) -> None:
-        row = 0
-        for seq, first_pos, ts in rows.prompt:
-            for j, t in enumerate(ts):
-                seq.prompt_logprobs_by_pos[first_pos + j] = self._logprob_dict(top, row + j, t)
-            row += len(ts)
-
-    def _logprob_dict(self, top, i: int, token: int) -> dict[int, Logprob]:
-        d = {
-            tid: Logprob(lp, r + 1, self.tokenizer.decode([tid]))
-            for r, (tid, lp) in enumerate(zip(top.top_ids[i], top.top_logprobs[i]))
-        }
-        if token not in d:
-            d[token] = Logprob(top.token_logprob[i], top.token_rank[i], self.tokenizer.decode([token]))
-        return d
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params
@@ -474,54 +494,6 @@ class LLMEngine:
             self.lora_manager.release(seq.lora_int_id)
 
     def _request_output(self, req: Request) -> RequestOutput:
-        outs = [
-            CompletionOutput(
-                index=s.index,
-                text=s.text,
-                token_ids=list(s.output_token_ids),
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in req.seqs
-        ]
-        finished = req.finished
-        if finished:
+        if req.finished:
             self.requests.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            prompt_logprobs=req.seqs[0].prompt_logprobs,
-            outputs=outs,
-            finished=finished,
-            lora_request=req.lora_request,
-            metrics={
-                "arrival_time": min(s.arrival_time for s in req.seqs),
-                "first_token_time": min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
-            },
-        )
-
-    def generate_all(self, items: Iterable[tuple]) -> list[RequestOutput]:
-        """Run (prompt, params, prompt_token_ids, lora_request) items to completion; outputs in order."""
-        ids = []
-        try:
-            for prompt, params, tok_ids, lora in items:
-                rid = self.new_request_id()
-                self.add_request(rid, prompt, params, tok_ids, lora)
-                ids.append(rid)
-        except Exception:
-            for rid in ids:
-                self.abort_request(rid)
-            raise
-        done: dict[str, RequestOutput] = {}
-        try:
-            while len(done) < len(ids):
-                for o in self.step():
-                    if o.finished:
-                        done[o.request_id] = o
-        except BaseException:
-            for rid in ids:  # a failed step must not leave this call's requests in the engine
-                self.abort_request(rid)
-            raise
-        return [done[r] for r in ids]
+        return req.output()

@@ -22,6 +22,7 @@ from loraserve.engine.transfer import to_device
 from loraserve.sampling import SamplingParams
 
 NEG_INF = float("-inf")
+NO_TOKEN = -1  # a sampled id where the row's logits were not finite: its request fails, nothing is drawn
 
 
 @dataclass
@@ -163,6 +164,9 @@ class Sampler:
 
         generators[i]: row i's own generator (on that device), or None for the default one.
         banned_ids[i]: tokens row i may not produce now (stop tokens before min_tokens).
+        A row whose logits hold a NaN or +Inf, or whose every token is banned, gets ``NO_TOKEN``:
+        one row's bad numbers never reach another row, and never reach ``torch.multinomial``
+        (whose device-side assert would end the CUDA context for every request).
         """
         dev = logits.device
         logits = logits.float()
@@ -170,7 +174,9 @@ class Sampler:
             rc = [(i, t) for i, ids in enumerate(banned_ids) for t in ids]
             rows, cols = to_device(rc, torch.long, dev).T
             logits = logits.index_put((rows, cols), torch.full((), NEG_INF, device=dev))  # out of place
-        out = logits.argmax(dim=-1)
+        # NOTE: max propagates NaN, so one reduction gives the greedy ids and the rows to refuse
+        best, out = logits.max(dim=-1)
+        bad = ~torch.isfinite(best)  # (B,)
         # non-greedy rows, grouped by generator (every unseeded row shares the default one) and
         # ordered by group, so each group is one multinomial on a contiguous slice
         groups: dict[int, tuple[torch.Generator, list[int]]] = {}
@@ -179,12 +185,13 @@ class Sampler:
                 g = g if g is not None else self.default_generator(dev)
                 groups.setdefault(id(g), (g, []))[1].append(i)
         if not groups:
-            return out
+            return out.masked_fill(bad, NO_TOKEN)
         order = [i for _, rows in groups.values() for i in rows]
         rows = to_device(order, torch.long, dev)
         probs = apply_filters_batched(logits[rows], [params[i] for i in order]).softmax(-1)  # (n, V)
+        probs = probs.masked_fill(bad[rows, None], 1.0)  # any valid distribution: the row is refused below
         draws, start = [], 0
         for g, group in groups.values():
             draws.append(torch.multinomial(probs[start : start + len(group)], 1, generator=g)[:, 0])
             start += len(group)
-        return out.index_copy(0, rows, torch.cat(draws))
+        return out.index_copy(0, rows, torch.cat(draws)).masked_fill(bad, NO_TOKEN)

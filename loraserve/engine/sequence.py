@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.lora.request import LoRARequest
-from loraserve.outputs import PromptLogprobs, SampleLogprobs
+from loraserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from loraserve.sampling import SamplingParams
 
 
@@ -101,7 +101,37 @@ class Request:
     params: SamplingParams
     lora_request: LoRARequest | None
     seqs: list[Sequence]
+    error: str | None = None  # why the engine failed the request (finish_reason "error")
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        """A snapshot of the request, shaped like vLLM's RequestOutput."""
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=list(s.output_token_ids),
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in self.seqs
+        ]
+        first_token = [s.first_token_time for s in self.seqs if s.first_token_time]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.seqs[0].prompt_logprobs,
+            outputs=outs,
+            finished=self.finished,
+            lora_request=self.lora_request,
+            metrics={
+                "arrival_time": min(s.arrival_time for s in self.seqs),
+                "first_token_time": min(first_token, default=None),
+            },
+            error=self.error,
+        )

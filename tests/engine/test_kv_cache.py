@@ -280,7 +280,7 @@ def test_request_that_outgrows_the_whole_cache_is_refused_not_hung(small_llm):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_failing_step_leaves_nothing_behind(tmp_path, monkeypatch, async_scheduling):
-    """If a forward raises inside generate(), its requests are aborted and their blocks freed (with
+    """If a forward raises inside generate(), its requests fail and their blocks are freed (with
     async scheduling the third forward is a step launched ahead, before the second was read back)."""
     from helpers import make_tiny_model
 
@@ -300,11 +300,8 @@ def test_a_failing_step_leaves_nothing_behind(tmp_path, monkeypatch, async_sched
 
     monkeypatch.setattr(eng.runner, "execute", flaky)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    try:
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, sp)
-        raise AssertionError("the failure should propagate")
-    except RuntimeError as e:
-        assert "boom" in str(e)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, sp)
+    assert all(o.outputs[0].finish_reason == "error" and "boom" in o.error for o in outs)
     assert not eng.has_unfinished_requests() and not eng.requests
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp)  # and the engine serves on
