@@ -43,6 +43,14 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped after an unexpected error; restart the server."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (a step raised, or its logits were not finite); others go on."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is shutting down: requests still running end with this error."""
+
+
 class UnknownModelError(LookupError):
     """A request names a model that is neither the base model nor a loaded adapter."""
 
@@ -71,7 +79,9 @@ class AdapterTable:
     def new_request(self, name: str, path: str) -> LoRARequest:
         return LoRARequest(name, next(self._ids), path)
 
-    def load(self, engine: LLMEngine, name: str, path: str, req: LoRARequest | None = None, packed=None) -> LoRARequest:
+    def load(
+        self, engine: LLMEngine, name: str, path: str, req: LoRARequest | None = None, packed=None
+    ) -> LoRARequest:
         """Register name -> path under a new id; a reload replaces the old id only once the new one parsed.
 
         ``packed``: the adapter already parsed off the engine thread (LoRAManager.prepare)."""
@@ -140,6 +150,10 @@ class RequestStream:
             self._pending.discard(out.request_id)
             for c in out.outputs:
                 m.finished[c.finish_reason or "abort"] += 1
+        if out.error is not None:  # the whole HTTP request fails: abort its other prompts
+            self.abort()
+            self._fail(RequestFailedError(out.error))
+            return
         self._latest[out.request_id] = out
         self._wake.set()
 
@@ -179,6 +193,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: BaseException | None = None
+        # called on the loop thread once the engine cannot go on (the server exits non-zero)
+        self.on_fatal: Callable[[], None] | None = None
+        self._loads: set[concurrent.futures.Future] = set()  # adapter parses running on their threads
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -188,10 +205,57 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop: running requests end with ``ShuttingDownError`` (streams get a clean end); the
+        engine thread finishes its step and exits, waited for at most ``timeout`` seconds."""
+        self.stop_streams()
         self._stopping = True
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def stop_streams_soon(self) -> None:
+        """Any thread (a signal handler): ``stop_streams`` on the loop thread."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.stop_streams)
+
+    def stop_streams(self) -> None:
+        """Loop thread: end every running request and adapter load with ``ShuttingDownError``."""
+        err = ShuttingDownError("the server is shutting down; retry on another replica or later")
+        rids = list(self._streams)
+        self._fail_all(err)
+        if rids:
+            self._inbox.put(("abort", rids))
+        for fut in list(self._loads):
+            try:
+                fut.set_exception(err)
+            except concurrent.futures.InvalidStateError:  # it finished meanwhile
+                pass
+
+    def _in_daemon_thread(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """``fn(*args)`` on a new daemon thread, awaitable from the loop; ``stop_streams`` ends the wait.
+
+        NOTE: not ``asyncio.to_thread``: the default executor's threads are joined at interpreter exit,
+        so a slow adapter parse would hold shutdown hostage; a daemon thread is simply left behind.
+        """
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+        self._loads.add(fut)
+        fut.add_done_callback(self._loads.discard)
+
+        def run() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as e:
+                result, error = None, e
+            else:
+                error = None
+            try:
+                fut.set_exception(error) if error is not None else fut.set_result(result)
+            except concurrent.futures.InvalidStateError:  # already ended by stop_streams
+                pass
+
+        threading.Thread(target=run, name="loraserve-adapter-load", daemon=True).start()
+        return asyncio.wrap_future(fut)
 
     @property
     def alive(self) -> bool:
@@ -211,10 +275,10 @@ class AsyncEngine:
                     outs = engine.step()
                     if outs:
                         self._loop.call_soon_threadsafe(self._deliver, outs, time.monotonic())
-        except BaseException as e:  # a bug: fail every in-flight request and report unhealthy
+        except BaseException as e:  # the engine cannot go on: fail every in-flight request, then exit
             logger.exception("the engine loop died")
             self.dead = e
-            self._loop.call_soon_threadsafe(self._fail_all, e)
+            self._loop.call_soon_threadsafe(self._fatal, e)
             while True:  # answer pending calls so no caller hangs
                 try:
                     cmd = self._inbox.get_nowait()
@@ -258,8 +322,13 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             stream._put(out, now)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        err = EngineDeadError(f"the engine stopped: {exc!r}")
+    def _fatal(self, exc: BaseException) -> None:
+        """/health already answers 503 (``alive`` is False); fail the streams, then stop the server."""
+        self._fail_all(EngineDeadError(f"the engine stopped: {exc!r}"))
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def _fail_all(self, err: BaseException) -> None:
         for stream in {id(s): s for s in self._streams.values()}.values():
             stream._fail(err)
         self._streams.clear()
@@ -320,7 +389,7 @@ class AsyncEngine:
         packed = None
         if self.engine.lora_manager is not None:
             # NOTE: parse on a worker thread, so a runtime load never stalls the step loop
-            packed = await asyncio.to_thread(self.engine.lora_manager.prepare, req)
+            packed = await self._in_daemon_thread(self.engine.lora_manager.prepare, req)
         return await self.call(lambda engine: self.adapters.load(engine, name, path, req, packed))
 
     async def unload_adapter(self, name: str) -> LoRARequest:
