@@ -6,6 +6,13 @@ completed response was valid, that no request was lost (each one completed, was 
 client on purpose, or is reported as an error), and that nothing leaked: once idle, /metrics must
 show no running or waiting sequence, every KV block free and no adapter in use.
 
+A share of the clients (--hostile-fraction, 5%) are hostile instead: each of their requests is
+invalid or extreme (hostile_bodies.py: NaN / 1e39 temperatures, 2**64 seeds, token ids outside the
+vocabulary, lone surrogates, huge stop lists, malformed JSON, oversized bodies, bad adapter loads,
+streaming or not) and must get a 4xx with an OpenAI error body. The run FAILS (exit status 1) if a
+normal request was lost or went wrong, a hostile one got anything but such a 4xx (a 5xx, an error
+event in a 200 stream, a 200, a dropped connection), /health is not 200 at the end, or anything leaked.
+
     # against a running server
     python benchmarks/load_test.py --url http://127.0.0.1:8000 [--api-key KEY]
     # self-contained: a tiny random llama + 8 tiny adapters, served by `loraserve serve` in a subprocess
@@ -27,10 +34,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hostile_bodies  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,10 +61,26 @@ class Report:
     leaks: list[str] = field(default_factory=list)
     by_model: dict[str, int] = field(default_factory=dict)
     final_metrics: dict[str, float] = field(default_factory=dict)
+    clients: int = 0
+    hostile_clients: int = 0
+    hostile_sent: int = 0
+    hostile_outcomes: Counter = field(default_factory=Counter)
+    hostile_faults: list[dict] = field(default_factory=list)  # each: kind, stream, outcome, response, body
+    hostile_by_kind: Counter = field(default_factory=Counter)  # "kind -> outcome": count
+    health: str = "not checked"
+    server_exit: int | None = None  # --tiny: the server's exit status if it died during the run
 
     @property
     def ok(self) -> bool:
-        return not self.errors and not self.lost and not self.leaks and self.completed > 0
+        return (
+            not self.errors
+            and not self.lost
+            and not self.leaks
+            and self.completed > 0
+            and not self.hostile_faults
+            and self.health == "200"
+            and self.server_exit is None
+        )
 
     def summary(self) -> str:
         def pct(xs, q):
@@ -63,8 +90,10 @@ class Report:
                 else float("nan")
             )
 
+        faults = Counter((f["kind"], f["outcome"]) for f in self.hostile_faults)
         lines = [
-            f"duration {self.duration:.1f} s, {len(self.by_model)} models, requests started {self.started}: "
+            f"clients {self.clients}: {self.clients - self.hostile_clients} normal, {self.hostile_clients} hostile",
+            f"duration {self.duration:.1f} s, {len(self.by_model)} models, normal requests started {self.started}: "
             f"completed {self.completed}, disconnected on purpose {self.disconnected}, errors {len(self.errors)}, "
             f"lost {self.lost}",
             f"throughput: {self.completed / self.duration:.1f} completed requests/s, "
@@ -72,9 +101,20 @@ class Report:
             f"TTFT p50 {pct(self.ttft, 50):.1f} ms, p99 {pct(self.ttft, 99):.1f} ms; "
             f"inter-token p50 {pct(self.itl, 50):.1f} ms, p99 {pct(self.itl, 99):.1f} ms "
             f"(client side: gaps between text chunks; a chunk carries more than one token only when its reader lags)",
+            f"hostile requests sent {self.hostile_sent}: "
+            + ", ".join(f"{k} x{v}" for k, v in sorted(self.hostile_outcomes.items()))
+            + f"; server faults {len(self.hostile_faults)}",
             "leaks: " + ("none" if not self.leaks else "; ".join(self.leaks)),
+            f"/health at the end: {self.health}"
+            + ("" if self.server_exit is None else f"; the server exited with {self.server_exit}"),
         ]
         lines += [f"error: {e}" for e in self.errors[:10]]
+        for (kind, what), count in faults.most_common(20):
+            f = next(f for f in self.hostile_faults if (f["kind"], f["outcome"]) == (kind, what))
+            lines.append(
+                f"fault x{count}: {kind} ({'stream' if f['stream'] else 'no stream'}) -> {what}: "
+                f"{f['response'][:200]!r}; body {f['body'][:160]!r}"
+            )
         lines.append("RESULT: " + ("PASS" if self.ok else "FAIL"))
         return "\n".join(lines)
 
@@ -187,6 +227,37 @@ async def _worker(client, rng, models, rep, args, vocab, deadline) -> None:
         await _one(client, rng, models, rep, args, vocab)
 
 
+async def _hostile_one(client: httpx.AsyncClient, rng: random.Random, target, rep: Report, args) -> None:
+    h = hostile_bodies.make(rng, target)
+    rep.hostile_sent += 1
+    what, fault, received = await hostile_bodies.send(client, h, args.hostile_timeout)
+    rep.hostile_outcomes[what] += 1
+    rep.hostile_by_kind[f"{h.kind} -> {what}"] += 1
+    if fault:
+        rep.hostile_faults.append(
+            {
+                "kind": h.kind,
+                "method": h.method,
+                "path": h.path,
+                "stream": h.stream,
+                "chunked": h.chunked,
+                "outcome": what,
+                "at_s": round(time.monotonic() - args.t0, 2),
+                "response": received[:2000].decode(errors="replace"),
+                "body": h.content[:2000].decode(errors="replace"),
+            }
+        )
+        name = json.loads(h.content).get("lora_name") if h.path == "/v1/load_lora_adapter" else None
+        if what.endswith("(accepted)") and str(name).startswith("hostile-"):  # unload it: stay bounded
+            await client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+
+
+async def _hostile_worker(client, rng, target, rep, args, deadline) -> None:
+    while time.monotonic() < deadline and rep.hostile_sent < args.hostile_max_requests:
+        await _hostile_one(client, rng, target, rep, args)
+        await asyncio.sleep(rng.uniform(0, 2 * args.hostile_pause))
+
+
 async def run_load(
     url: str,
     api_key: str | None = None,
@@ -198,26 +269,47 @@ async def run_load(
     request_timeout: float = 120.0,
     vocab: int = 256,
     settle_timeout: float = 15.0,
+    hostile_fraction: float = 0.05,
+    hostile_pause: float = 0.1,
+    hostile_timeout: float = 30.0,
+    hostile_max_requests: int = 20_000,
+    big_bytes: int = 9 * 2**20,
+    adapter_paths: tuple[str, list[str]] = ("x", []),
 ) -> Report:
     args = argparse.Namespace(
-        max_tokens=max_tokens, disconnect_prob=disconnect_prob, request_timeout=request_timeout
+        max_tokens=max_tokens,
+        disconnect_prob=disconnect_prob,
+        request_timeout=request_timeout,
+        hostile_pause=hostile_pause,
+        hostile_timeout=hostile_timeout,
+        hostile_max_requests=hostile_max_requests,
     )
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    rep = Report()
-    async with httpx.AsyncClient(
-        base_url=url, headers=headers, limits=limits, timeout=request_timeout
-    ) as client:
-        models = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+    n_hostile = max(1, round(clients * hostile_fraction)) if hostile_fraction > 0 else 0
+    rep = Report(clients=clients, hostile_clients=n_hostile)
+    async with (
+        httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=request_timeout) as client,
+        httpx.AsyncClient(base_url=url, headers=headers, timeout=hostile_timeout) as hostile_client,
+    ):
+        cards = (await client.get("/v1/models")).json()["data"]
+        models = [m["id"] for m in cards]
+        target = hostile_bodies.Target(
+            models, vocab, cards[0].get("max_model_len") or 2048, big_bytes, *adapter_paths
+        )
         generated0 = parse_metrics((await client.get("/metrics")).text)["loraserve_generation_tokens_total"]
         rng = random.Random(seed)
-        t0 = time.monotonic()
+        t0 = args.t0 = time.monotonic()
         deadline = t0 + duration
         await asyncio.gather(
             *(
                 _worker(client, random.Random(rng.random()), models, rep, args, vocab, deadline)
-                for _ in range(clients)
-            )
+                for _ in range(clients - n_hostile)
+            ),
+            *(
+                _hostile_worker(hostile_client, random.Random(rng.random()), target, rep, args, deadline)
+                for _ in range(n_hostile)
+            ),
         )
         rep.duration = time.monotonic() - t0
         generated1 = parse_metrics((await client.get("/metrics")).text)["loraserve_generation_tokens_total"]
@@ -246,6 +338,10 @@ async def run_load(
             await asyncio.sleep(0.2)
         rep.leaks = leaks
         rep.final_metrics = m
+        try:
+            rep.health = str((await client.get("/health", timeout=10)).status_code)
+        except httpx.HTTPError as e:
+            rep.health = f"transport error {type(e).__name__}"
     return rep
 
 
@@ -272,8 +368,12 @@ def make_tiny_setup(d: Path, num_adapters: int) -> tuple[Path, list[tuple[str, P
     return base, adapters
 
 
-def serve_tiny(d: Path, num_adapters: int, max_loras: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def serve_tiny(
+    d: Path, num_adapters: int, max_loras: int, extra: list[str], log: Path
+) -> tuple[subprocess.Popen, str, tuple[str, list[str]]]:
+    """The server, its URL, and (a loadable adapter, adapters to refuse) under its --lora-root."""
     base, adapters = make_tiny_setup(d, num_adapters)
+    adapter_paths = hostile_bodies.make_bad_adapters(d / "lora-root", adapters[0][1], base)
     port = _free_port()
     cmd = [
         sys.executable,
@@ -291,10 +391,16 @@ def serve_tiny(d: Path, num_adapters: int, max_loras: int, extra: list[str]) -> 
         "warning",
         "--lora-modules",
         *[f"{n}={p}" for n, p in adapters],
+        "--allow-runtime-lora-updating",
+        "--lora-root",
+        str(d / "lora-root"),
         *extra,
     ]
-    print("server:", " ".join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    print("server:", " ".join(cmd), f"(log: {log})", file=sys.stderr)
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=f, stderr=subprocess.STDOUT
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -302,7 +408,7 @@ def serve_tiny(d: Path, num_adapters: int, max_loras: int, extra: list[str]) -> 
             raise SystemExit(f"the server exited with {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return proc, url, adapter_paths
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
@@ -327,14 +433,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="each request asks for 4..this many tokens")
     p.add_argument("--disconnect-prob", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hostile-fraction", type=float, default=0.05, help="share of clients that are hostile")
+    p.add_argument(
+        "--hostile-pause", type=float, default=0.1, help="mean seconds between a hostile client's requests"
+    )
+    p.add_argument(
+        "--hostile-max-requests", type=int, default=20_000, help="hostile requests in all, at most"
+    )
+    p.add_argument(
+        "--big-body-bytes", type=int, default=9 * 2**20, help="an oversized body (the server caps at 8 MiB)"
+    )
+    p.add_argument("--server-log", type=Path, default=None, help="--tiny: keep the server's output here")
+    p.add_argument("--report-json", type=Path, default=None, help="write the report (every fault) here")
     args = p.parse_args(argv)
     if (args.url is None) == (not args.tiny):
         p.error("pass either --url URL or --tiny")
-    proc = None
+    if not 0 <= args.hostile_fraction < 1:
+        p.error("--hostile-fraction must be in [0, 1)")
+    proc, rep = None, None
     with tempfile.TemporaryDirectory() as tmp:
-        url = args.url
+        url, adapter_paths = args.url, ("x", [])
+        log = args.server_log or Path(tmp) / "server.log"
         if args.tiny:
-            proc, url = serve_tiny(Path(tmp), args.adapters, args.max_loras, args.server_arg)
+            proc, url, adapter_paths = serve_tiny(
+                Path(tmp), args.adapters, args.max_loras, args.server_arg, log
+            )
         try:
             rep = asyncio.run(
                 run_load(
@@ -345,13 +468,28 @@ def main(argv: list[str] | None = None) -> int:
                     args.max_tokens,
                     args.disconnect_prob,
                     args.seed,
+                    hostile_fraction=args.hostile_fraction,
+                    hostile_pause=args.hostile_pause,
+                    hostile_max_requests=args.hostile_max_requests,
+                    big_bytes=args.big_body_bytes,
+                    adapter_paths=adapter_paths,
                 )
             )
         finally:
             if proc is not None:
-                proc.terminate()
-                proc.wait(30)
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(30)
+                elif rep is not None:
+                    rep.server_exit = proc.returncode
+        if proc is not None and not rep.ok:  # what the server logged about it
+            noted = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+            print(f"server log ({len(noted)} lines), the last 40:", *noted[-40:], sep="\n  ")
     print(rep.summary())
+    if args.report_json:  # NOTE: asdict rebuilds a Counter from (key, count) pairs: pass it as a dict
+        report = {**asdict(rep), "hostile_outcomes": dict(rep.hostile_outcomes)}
+        report["hostile_by_kind"] = dict(sorted(rep.hostile_by_kind.items()))
+        args.report_json.write_text(json.dumps(report, indent=1, default=str))
     return 0 if rep.ok else 1
 
 
