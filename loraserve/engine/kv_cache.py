@@ -3,6 +3,11 @@
 Paired verbs: ``can_allocate / allocate / free``, and ``can_append_slots / append_slots`` for a
 decode step scheduled ahead (async scheduling). Every block returns to the free list when its
 sequence finishes, is aborted or is preempted.
+
+A freed block keeps its KV (clearing it would cost a pass over the block per free, for nothing): its
+next owner never reads it. Attention reads, per sequence, only positions below the context length
+through its own block table, and each of those was written by that sequence (an earlier step, or this
+step's cache write, which runs before attention): the stale rest of a block is masked on the load.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class BlockManager:
             )
 
     def free(self, seq: Sequence) -> None:
+        """Return seq's blocks to the free list, their KV untouched (see the module docstring)."""
         self._free.extend(seq.block_table)
         seq.block_table = []
 

@@ -6,6 +6,10 @@ sequence's slots and runs SDPA with a causal (optionally sliding-window) mask. O
 kernel (``triton_attention.py``: one launch per layer for the whole varlen batch, through block
 tables) runs behind the same ``Attention.forward``, chosen once when the cache is bound.
 
+Both paths read, per sequence, only its own slots below its context length: no other sequence's KV
+and no freed block's stale KV reaches its rows, whatever they hold (NaN included, which a mask alone
+would let through).
+
 Attention also owns the step before the kernel: rotary on q and k, then the cache write. Given the
 layer's ``RotaryEmbedding``, ``forward`` rotates them itself, so that on the Triton path one launch
 (``triton_elementwise.rotary_kv_cache``) rotates q and k and stores k and v into the cache, instead
@@ -58,15 +62,21 @@ def reference_paged_attention(
 
 
 def _decode_gather(md: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, Lmax) cache slots of every sequence, padded with slot 0, and the (B, Lmax) valid mask;
-    built once per forward and shared by all layers."""
+    """(B, Lmax) cache slots of every sequence and the (B, Lmax) valid mask; built once per forward and
+    shared by all layers. Row i holds sequence i's slots, padded past its context with its own last slot.
+
+    NOTE: padding by construction reads only the sequence's own slot of its own query token, a key its
+    row attends to anyway, so a padding entry adds no value the row does not already depend on. The
+    mask alone cannot keep out another sequence's slot (the old slot 0, or a freed block's stale KV):
+    a NaN there survives it (NaN + -inf is NaN, weight 0 * NaN is NaN)."""
     cached = md.gpu_cache.get("decode_gather")
     if cached is None:
         lmax = max(md.context_lens)
-        slots = torch.zeros(md.num_seqs, lmax, dtype=torch.long, device=device)
-        for i, sl in enumerate(md.kv_slots):
-            slots[i, : sl.numel()] = sl
-        valid = torch.arange(lmax, device=device)[None, :] < torch.tensor(md.context_lens, device=device)[:, None]
+        ctx = torch.tensor(md.context_lens, device=device)
+        first = torch.cumsum(ctx, 0) - ctx  # (B,) where each sequence's slots start in the flat list
+        pos = torch.minimum(torch.arange(lmax, device=device)[None, :], ctx[:, None] - 1)  # (B, Lmax)
+        slots = torch.cat(md.kv_slots)[first[:, None] + pos]
+        valid = torch.arange(lmax, device=device)[None, :] < ctx[:, None]
         cached = md.gpu_cache["decode_gather"] = (slots, valid)
     return cached
 
@@ -82,7 +92,9 @@ def _batched_decode(q, k_cache, v_cache, md: AttentionMetadata, scale: float, sl
     ks = k_cache[slots].permute(0, 2, 1, 3)  # (B, Hk, L, D)
     vs = v_cache[slots].permute(0, 2, 1, 3)
     qs = q[torch.tensor(md.query_starts, device=q.device)][:, :, None, :]  # (B, Hq, 1, D)
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        qs, ks, vs, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
     out = torch.empty_like(q)
     out[torch.tensor(md.query_starts, device=q.device)] = o[:, :, 0, :]
     return out
@@ -99,7 +111,12 @@ def _select_kernel(device: torch.device):
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -146,9 +163,13 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        assert self.k_cache is not None, "KV cache not bound; the model runner binds it before the first forward"
+        assert self.k_cache is not None, (
+            "KV cache not bound; the model runner binds it before the first forward"
+        )
         assert (positions is None) == (rotary_emb is None), "pass positions and rotary_emb together"
-        assert qkv_delta is None or self.takes_qkv_delta(rotary_emb), "a qkv delta where the rotary launch is not run"
+        assert qkv_delta is None or self.takes_qkv_delta(rotary_emb), (
+            "a qkv delta where the rotary launch is not run"
+        )
         if rotary_emb is not None and self._kernel is not None and FUSED_ELEMENTWISE:
             cos, sin = rotary_emb.cos_sin(positions, q.dtype)  # (T, rotary_dim) each, shared per forward
             q = elementwise_kernels().rotary_kv_cache(
@@ -164,10 +185,19 @@ class Attention(nn.Module):
             return o.reshape(T, self.num_heads * self.head_dim)
         shrink, prefetch = self._fused_shrink(q, md, feeds), self._l2_prefetch(md)
         if shrink is None:
-            o = self._kernel(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window, prefetch=prefetch)
+            o = self._kernel(
+                q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window, prefetch=prefetch
+            )
             return o.reshape(T, self.num_heads * self.head_dim)
         o, obuf = self._kernel(
-            q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window, shrink=shrink, prefetch=prefetch
+            q,
+            self.k_cache,
+            self.v_cache,
+            md,
+            self.scale,
+            self.sliding_window,
+            shrink=shrink,
+            prefetch=prefetch,
         )
         out = o.reshape(T, self.num_heads * self.head_dim)
         feeds.keep_shrunk(out, obuf)

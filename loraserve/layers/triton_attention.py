@@ -8,6 +8,13 @@ window's start, when the layer has one), with an online softmax in fp32.
 
 Decode (every sequence has one new token) needs no work list: item i is sequence i.
 
+Isolation: a program reads only its sequence's positions below its context length, through the entries
+of its own block table that cover them: the block-table, K and V loads are masked past ``last``
+(<= context length) with ``other=0``, so neither another sequence's KV, the table's padding, nor the
+stale rest of a freed block ever reaches a register. Masking the scores alone would not do: a NaN V
+times softmax weight 0 is NaN. Inside a sequence, its own keys past a row's causal limit (the rest of
+the chunk) are masked on the scores only: they belong to that sequence.
+
 o's LoRA shrink (decode, ``shrink``; opt-in, ``LORASERVE_ATTN_SHRINK=1``: measured slower, see SHRINK_ENABLED): the output is x
 of o_proj, so a decode launch may also compute o's shrink of it (``_o_shrink``), as the norms do for qkv and
 gate/up (``norm_shrink``): o's GEMM then runs without a shrink launch between attention and it.
@@ -81,7 +88,8 @@ def _paged_attention_kernel(
 ):
     item = tl.program_id(0)
     kvh = tl.program_id(1)
-    if PREFETCH:  # weights and the mapping (written before the forward): before the wait, while the launch before runs
+    # weights and the mapping (written before the forward): before the wait, while the launch before runs
+    if PREFETCH:
         prefetch_token_slot(pf_table_ptr, pf_regions, slots_ptr, tl.load(seq_info_ptr + item * stride_info), n_tokens,
                             kvh, tl.num_programs(1), PF_BLOCK_T)  # fmt: skip
     if SHRINK:  # before the wait: the metadata, the mapping and o's A (written before the forward)
@@ -132,6 +140,9 @@ def _paged_attention_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     for start in range(lo, last, BLOCK_N):
         j = start + offs_n
+        # NOTE: every load below is masked by j_ok with other=0 (never read, not just weighted 0): the
+        # tile's tail past ``last`` would be another sequence's block (table padding) or a freed block's
+        # stale KV, and a NaN there would survive p = 0 in the p @ v product
         j_ok = j < last
         blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0)
         slot = blk.to(tl.int64) * BLOCK_SIZE + j % BLOCK_SIZE
@@ -313,7 +324,9 @@ def paged_attention(
     block_n = 64 if block_d <= 128 and q.dtype != torch.float32 else 32
     chain = pdl_chain(q.device)
     if shrink is not None:
-        assert decode and slots.shape == (T,) and orank.dtype == torch.int32, "shrink: a decode step's slots, int32 ranks"
+        assert decode and slots.shape == (T,) and orank.dtype == torch.int32, (
+            "shrink: a decode step's slots, int32 ranks"
+        )
         shrink_kw = dict(oa_ptr=oa, orank_ptr=orank, slots_ptr=slots, obuf_ptr=obuf, n_tokens=T,
                          stride_oas=oa.stride(0), SHRINK=True, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)),
                          G_POW2=triton.next_power_of_2(G))  # fmt: skip
@@ -325,7 +338,9 @@ def paged_attention(
         table, slots = prefetch
         assert slots.shape == (T,), f"prefetch: the step's token slots (T,), not {tuple(slots.shape)}"
         assert table.dtype == torch.int64 and table.shape[1:] == (3,), "prefetch: an l2_prefetch.region_table"
-        pf_kw = dict(pf_table_ptr=table, pf_regions=table.shape[0], PREFETCH=True, PF_BLOCK_T=triton.next_power_of_2(T))
+        pf_kw = dict(
+            pf_table_ptr=table, pf_regions=table.shape[0], PREFETCH=True, PF_BLOCK_T=triton.next_power_of_2(T)
+        )
         if shrink is None:  # one slots_ptr serves both (the shrink's are the step's too)
             shrink_kw["slots_ptr"] = slots
     _paged_attention_kernel[(n_items, Hk)](
