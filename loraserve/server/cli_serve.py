@@ -11,7 +11,15 @@ import argparse
 import logging
 from pathlib import Path
 
-LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --lora-dtype (generate, chat, serve); LoRAConfig.resolved_dtype
+from loraserve.sampling import MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
+from loraserve.server.server_config import default as server_default
+
+LORA_DTYPES = (
+    "auto",
+    "float32",
+    "bfloat16",
+    "float16",
+)  # --lora-dtype (generate, chat, serve); LoRAConfig.resolved_dtype
 
 DEMO_ADAPTERS = Path(__file__).resolve().parents[1] / "demo_adapters"
 
@@ -71,7 +79,36 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument(
         "--served-model-name", default=None, help="the base model's name in the API (default: its dir name)"
     )
-    g.add_argument("--max-n", type=int, default=8, help="largest n (completions per request) accepted")
+    g.add_argument(
+        "--max-n",
+        type=int,
+        default=server_default("max_n"),
+        help="largest n (completions per request) accepted",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=server_default("max_request_bytes"),
+        help="largest request body; larger ones get 413 before they are parsed (default: 8 MiB)",
+    )
+    g.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=server_default("max_prompts_per_request"),
+        help="largest batch of prompts in one /v1/completions request",
+    )
+    g.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=server_default("max_stop_strings"),
+        help=f"most stop strings in one request (at most {MAX_STOP_STRINGS})",
+    )
+    g.add_argument(
+        "--max-stop-string-length",
+        type=int,
+        default=server_default("max_stop_string_length"),
+        help=f"longest stop string, in characters (at most {MAX_STOP_STRING_LENGTH})",
+    )
     g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto = fp32 on CPU)")
@@ -84,9 +121,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size on the CPU")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (overrides the size)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (one host)")
-    g.add_argument("--distributed-timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
-    g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs (on by default on the GPU)")
+    g.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over (one host)"
+    )
+    g.add_argument(
+        "--distributed-timeout", type=float, default=60.0, help="seconds before a stuck collective fails"
+    )
+    g.add_argument(
+        "--enforce-eager", action="store_true", help="never use CUDA graphs (on by default on the GPU)"
+    )
     g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
@@ -176,7 +219,8 @@ def build_engine(args: argparse.Namespace, lora_modules: list[tuple[str, str]]):
 
 
 def make_app(args: argparse.Namespace):
-    from loraserve.server.app import ServerConfig, build_app
+    from loraserve.server.app import build_app
+    from loraserve.server.server_config import ServerConfig
 
     lora_modules = list(args.lora_modules)
     if args.model is None:
@@ -189,6 +233,10 @@ def make_app(args: argparse.Namespace):
         lora_root=args.lora_root,
         lora_modules=lora_modules,
         max_n=args.max_n,
+        max_request_bytes=args.max_request_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length,
     )
     for name, path in lora_modules:
         if not Path(path).expanduser().is_dir():
