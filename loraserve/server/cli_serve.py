@@ -249,8 +249,6 @@ def make_app(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = make_app(args)
     server = app.state.server
@@ -258,8 +256,54 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.getLogger("loraserve.server").info(
         "serving %s (adapters: %s) on http://%s:%d/v1", server.model_name, adapters, args.host, args.port
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-    return 0
+    return serve_app(app, args.host, args.port, args.uvicorn_log_level)
+
+
+SHUTDOWN_GRACE_S = 5.0  # how long SIGINT/SIGTERM waits for open connections before closing them
+
+
+def serve_app(app, host: str, port: int, log_level: str = "info") -> int:
+    """Serve ``app`` until SIGINT/SIGTERM, or until its engine cannot go on; the exit status
+    (``exit_status``)."""
+    make_server(app, host, port, log_level).run()
+    return exit_status(app)
+
+
+def make_server(app, host: str, port: int, log_level: str = "info"):
+    """The uvicorn server of ``app``: it stops on SIGINT/SIGTERM, and by itself once the engine
+    cannot go on (``/health`` answers 503 from then).
+
+    A signal ends the running streams at once (each gets an error chunk and ``[DONE]``, a plain
+    request a 503); connections still open after ``SHUTDOWN_GRACE_S`` are closed, and the engine
+    thread is waited for at most a few seconds (``AsyncEngine.shutdown``); an adapter still loading
+    is left behind (a daemon thread).
+    """
+    import uvicorn
+
+    engine = app.state.server.engine
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            engine.stop_streams_soon()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+    )
+    server = Server(config)
+    engine.on_fatal = lambda: setattr(server, "should_exit", True)
+    return server
+
+
+def exit_status(app) -> int:
+    """0 after a signal; 1 when the engine died, so a supervisor restarts the process."""
+    dead = app.state.server.engine.dead
+    if dead is None:
+        return 0
+    logging.getLogger("loraserve.server").error(
+        "exiting with status 1: the engine stopped (%r); restart the server", dead
+    )
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
