@@ -124,8 +124,10 @@ def apply_filters_batched(logits: torch.Tensor, params: list[SamplingParams]) ->
             sorted_x = sorted_x.masked_fill(sorted_x < kth, NEG_INF)
         probs = sorted_x.softmax(-1)
         mass_before = probs.cumsum(-1) - probs
-        # NOTE: rows with top_p = 1 are excluded explicitly: their float mass can exceed 1
+        # NOTE: rows with top_p = 1 are excluded explicitly: their float mass can exceed 1; the most
+        # likely token is always kept, so no top_p (a tiny one rounds to 0 in fp32) empties a row
         remove_sorted = (mass_before >= top_p) & (top_p < 1.0)  # (n, V)
+        remove_sorted[:, 0] = False
         remove = torch.zeros_like(remove_sorted).scatter(1, idx, remove_sorted)
         x = x.masked_fill(remove, NEG_INF)
     elif any(use_k):
