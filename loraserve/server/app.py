@@ -329,6 +329,27 @@ class _Server:
         return PlainTextResponse(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
 
+def _document_bodies(app: FastAPI, bodies: dict[str, type]) -> None:
+    """Show each route's request schema in /docs: the routes parse their raw body themselves
+    (``parse_body``), so FastAPI cannot see it."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            spec = default()
+            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                body = {"required": True, "content": {"application/json": {"schema": ref}}}
+                spec["paths"][path]["post"]["requestBody"] = body
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     """The app; the engine thread starts with the app's lifespan (uvicorn runs it)."""
     config = config or ServerConfig()
@@ -397,6 +418,15 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     async def metrics():
         return await guarded(server.render_metrics())
 
+    _document_bodies(
+        app,
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+            "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
+        },
+    )
     app.add_middleware(
         Guard, api_key=config.api_key, metrics=server.metrics, max_request_bytes=config.max_request_bytes
     )
