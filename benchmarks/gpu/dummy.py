@@ -4,6 +4,8 @@
   the whole vocabulary; no weights: serve it with ``LLM(..., load_format="dummy")`` (random weights).
 - ``make_adapter``: a PEFT LoRA adapter dir (adapter_config.json + adapter_model.safetensors) with
   random A and B for the given modules, in PEFT's key layout, readable by PEFT and by loraserve.
+  ``adapter_tensors`` + ``write_adapter`` are its two halves, for callers that write many adapters from
+  shared tensors (benchmarks/bench_scale.py); ``SLORA_MODULES`` is S-LoRA's shape (q, k, v, o only).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ SHAPES = {
     ),
 }
 LLAMA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SLORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]  # S-LoRA's experiments' shape
 
 
 def hf_config(shape: str, **overrides):
@@ -112,27 +115,42 @@ def _module_shapes(cfg) -> dict[str, tuple[int, int]]:
     }
 
 
-def make_adapter(
-    path: Path, cfg, rank: int = 16, alpha: int = 32, seed: int = 0, std: float = 0.02, dtype=torch.bfloat16
-) -> Path:
-    """A PEFT LoRA adapter on q, k, v, o, gate, up, down of every layer, random A and B (never zero)."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
+def adapter_tensors(
+    cfg,
+    rank: int = 16,
+    seed: int = 0,
+    std: float = 0.02,
+    dtype=torch.bfloat16,
+    modules: list[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """PEFT-keyed random A and B (never zero) for ``modules`` (default all seven) of every layer."""
+    modules = LLAMA_MODULES if modules is None else modules
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for i in range(cfg.num_hidden_layers):
         for mod, (n_in, n_out) in _module_shapes(cfg).items():
+            if mod.rpartition(".")[2] not in modules:
+                continue
             key = f"base_model.model.model.layers.{i}.{mod}"
             tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, n_in, generator=g) * std).to(dtype)
             tensors[f"{key}.lora_B.weight"] = (torch.randn(n_out, rank, generator=g) * std).to(dtype)
+    return tensors
+
+
+def write_adapter(
+    path: Path, tensors: dict[str, torch.Tensor], rank: int, alpha: int = 32, modules: list[str] | None = None
+) -> Path:
+    """adapter_model.safetensors of ``tensors`` + a PEFT LoRA adapter_config.json (r, alpha, target modules)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": rank,
         "lora_alpha": alpha,
-        "target_modules": LLAMA_MODULES,
+        "target_modules": LLAMA_MODULES if modules is None else modules,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -146,3 +164,17 @@ def make_adapter(
     }
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def make_adapter(
+    path: Path,
+    cfg,
+    rank: int = 16,
+    alpha: int = 32,
+    seed: int = 0,
+    std: float = 0.02,
+    dtype=torch.bfloat16,
+    modules: list[str] | None = None,
+) -> Path:
+    """A PEFT LoRA adapter on ``modules`` (default q, k, v, o, gate, up, down) of every layer, random A and B."""
+    return write_adapter(path, adapter_tensors(cfg, rank, seed, std, dtype, modules), rank, alpha, modules)
