@@ -31,6 +31,25 @@ class LoRAUnknownModuleError(LoRAError):
     """The adapter names a module the model lacks, or one that cannot carry LoRA here."""
 
 
+class LoRAValueError(LoRAError):
+    """Values that cannot be served: NaN or inf in a tensor or the config, or magnitudes that could
+    overflow (``checks.py``)."""
+
+
+class LoRAPathError(LoRAError):
+    """An adapter path that escapes its ``--lora-root`` (symlinks followed), or a file that is not a
+    regular file."""
+
+
+class LoRAChangedError(LoRAError):
+    """A registered adapter's files changed on disk (real path or sha256) since registration: an id is
+    one set of weights, so the re-read is refused rather than served under the old registration."""
+
+
+class LoRALoadCancelledError(LoRAError):
+    """Loading stopped because the manager is closing (shutdown)."""
+
+
 class UnknownAdapterError(LoRAError, KeyError):
     """A request names an adapter that is not registered (or was removed)."""
 

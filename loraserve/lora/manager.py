@@ -13,7 +13,10 @@ on the CPU they are plain copies. Host copies live in pinned memory on CUDA.
 Removing an adapter while requests use it: those requests finish on the weights they started with;
 the slot and host copy are freed when the last one ends; new requests get ``UnknownAdapterError``.
 Re-adding a removed id before its last request ended is refused (use a new id): an id is one set of
-weights.
+weights: a re-read after a host-cache eviction must find the files registration read (real paths, sha256;
+``files.py``), under the request's ``lora_root`` if any, or it fails that adapter's requests with
+LoRAChangedError (``take_load_errors``). Re-reading keeps the host cache bounded by ``max_cpu_loras``.
+``close()`` cancels parses in flight (``prepare`` on any thread too); the loader thread is a daemon.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from collections import Counter, OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from contextlib import nullcontext
 
@@ -31,20 +36,23 @@ from torch import nn
 
 from loraserve.config import LoRAConfig
 from loraserve.distributed.parallel_state import get_tp_size
+from loraserve.lora.checks import check_magnitudes
 from loraserve.lora.errors import (
+    LoRAError,
     LoRAFormatError,
     LoRAShapeError,
     UnknownAdapterError,
 )
+from loraserve.lora.files import AdapterFiles
 from loraserve.lora.layers import LORA_LAYER_CLASSES, BaseLayerWithLoRA, LogitsProcessorWithLoRA
-from loraserve.lora.layers.row_parallel_linear import RowParallelLinearWithLoRA
-from loraserve.lora.layers.vocab_extras import VocabExtras
+from loraserve.lora.loader import DaemonLoader
 from loraserve.lora.mapping import LoRATarget, find_lora_targets
 from loraserve.lora.mixtures import combine_adapters
 from loraserve.lora.packing import PackedAdapter, pack_adapter
 from loraserve.lora.peft import load_adapter, store_adapter
 from loraserve.lora.punica import LoRAMapping, PunicaWrapper
 from loraserve.lora.request import LoRAMixture, LoRARequest
+from loraserve.lora.slot_traits import SlotTraits
 
 logger = logging.getLogger(__name__)
 
@@ -55,32 +63,11 @@ def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     setattr(parent, name, new)
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotTraits:
-    """What a slot's adapter asks of a step's path, read from the modules once it is written (an empty slot's
-    are the defaults): PEFT extras (DoRA, biases, ...: the step runs eagerly), an embedding or lm_head A/B (the
-    vocab deltas run), every row-parallel layer's A exactly in its weight's dtype (their GEMMs' shrink reads one
-    piece of A). The last two are CUDA graphs' keys."""
-
-    extras: bool = False
-    vocab_lora: bool = False
-    a_exact_in_w: bool = True
-
-    @classmethod
-    def of(cls, slot: int, modules) -> SlotTraits:
-        modules = list(modules)
-        return cls(
-            extras=any(m.slot_has_extras(slot) for m in modules),
-            vocab_lora=any(m.slot_ranks[slot] for m in modules if isinstance(m, VocabExtras)),
-            # (only the row-parallel layers' GEMM computes a shrink from A's pieces: gemm_shrink_rows)
-            a_exact_in_w=all(m.slot_a_exact_in_w[slot] for m in modules if isinstance(m, RowParallelLinearWithLoRA)),
-        )
-
-
 class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, hf_config, device: torch.device):
         self.model = model
         model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        self.model_dtype = model_dtype  # where the LoRA deltas land: the magnitude checks' output dtype
         # the LoRA weights' storage dtype, resolved once ("auto" by device and model dtype) for the layers'
         # slots and the host copies alike
         self.lora_dtype = config.resolved_dtype(device, model_dtype)
@@ -96,14 +83,18 @@ class LoRAManager:
         self._registered: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, PackedAdapter] = OrderedDict()  # LRU: oldest first
         self._slot_ids: list[int | None] = [None] * config.max_loras
-        self._slot_traits = [SlotTraits() for _ in range(config.max_loras)]  # what the steps' paths ask of a slot
+        # what the steps' paths ask of a slot
+        self._slot_traits = [SlotTraits() for _ in range(config.max_loras)]
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # resident ids, least recently used first
         self._refs: Counter[int] = Counter()
         self._pinned: set[int] = set()
-        self._removed: dict[int, PackedAdapter] = {}  # removed while in use: kept until released
+        # removed while in use: kept until released (the error instead, if its files could not be re-read)
+        self._removed: dict[int, PackedAdapter | LoRAError] = {}
+        self._sources: dict[int, tuple[AdapterFiles, ...]] = {}  # what registration read: re-reads must match
         self._loading: dict[int, Future] = {}  # disk -> host parses in flight
         self._load_errors: dict[int, Exception] = {}
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
+        self._closing = threading.Event()  # set by close(): parses stop at their next check
+        self._loader = DaemonLoader()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._slot_ready: dict[int, object] = {}  # slot -> CUDA event of its last write
         self.stats: Counter[str] = Counter()
@@ -113,7 +104,11 @@ class LoRAManager:
         targets, self._restricted = find_lora_targets(self.model, self.config.lora_target_modules)
         for t in targets:
             cls = next(
-                (c for c in LORA_LAYER_CLASSES if c.can_replace_layer(t.module, self.config, t.packed, self.hf_config)),
+                (
+                    c
+                    for c in LORA_LAYER_CLASSES
+                    if c.can_replace_layer(t.module, self.config, t.packed, self.hf_config)
+                ),
                 None,
             )
             if cls is None:
@@ -142,7 +137,8 @@ class LoRAManager:
                 f"its old weights; register the new weights under a new lora_int_id"
             )
         old = self._registered.get(req.lora_int_id)
-        if not req.lora_path and not isinstance(req, LoRAMixture):  # a reference by id to an adapter registered earlier
+        # a reference by id to an adapter registered earlier
+        if not req.lora_path and not isinstance(req, LoRAMixture):
             if old is None:
                 raise UnknownAdapterError(
                     f"unknown adapter {req.lora_name!r} (id {req.lora_int_id}): it was removed or never added; "
@@ -159,6 +155,7 @@ class LoRAManager:
         if packed is None or packed.request != req:
             packed = self._pack(req)
         self._registered[req.lora_int_id] = req
+        self._sources[req.lora_int_id] = packed.adapter.sources
         self._host_put(req.lora_int_id, packed)
         self.stats["registered"] += 1
         return True
@@ -170,11 +167,27 @@ class LoRAManager:
         self._pinned.discard(lora_int_id)
         packed = self._host.pop(lora_int_id, None)
         if self._refs[lora_int_id] > 0:
-            # in-flight requests finish on these weights; freed at the last release()
-            self._removed[lora_int_id] = packed or self._pack(req)
+            # in-flight requests finish on these weights; freed (with its sources) at the last release()
+            if packed is None:
+                try:
+                    packed = self._pack(req, self._sources.get(lora_int_id))
+                except LoRAError as e:  # its requests fail with this if they need the weights again
+                    packed = e
+            self._removed[lora_int_id] = packed
         else:
             self._free_slot(lora_int_id)
+            self._sources.pop(lora_int_id, None)
         return True
+
+    def close(self) -> None:
+        """Cancel adapter parses in flight (they end with LoRALoadCancelledError at their next check) and
+        stop the loader thread; idempotent. Loads asked for afterwards fail the same way."""
+        self._closing.set()
+        self._loader.shutdown()
+
+    def registered_files(self, lora_int_id: int) -> tuple[AdapterFiles, ...] | None:
+        """What registration read for this id: any re-read must match it (a tensor-parallel worker's too)."""
+        return self._sources.get(lora_int_id)
 
     def list_adapters(self) -> list[int]:
         return sorted(self._registered)
@@ -214,6 +227,7 @@ class LoRAManager:
             del self._refs[lora_int_id]
             if lora_int_id in self._removed:
                 del self._removed[lora_int_id]
+                self._sources.pop(lora_int_id, None)
                 self._free_slot(lora_int_id)
 
     def in_use(self, lora_int_id: int) -> bool:
@@ -233,21 +247,27 @@ class LoRAManager:
     def _host_lookup(self, lid: int) -> PackedAdapter | None:
         """The host copy if present; otherwise start (or collect) the background parse and return None."""
         if lid in self._removed:
-            return self._removed[lid]
+            packed = self._removed[lid]
+            if isinstance(packed, LoRAError):
+                self._load_errors[lid] = packed
+                return None
+            return packed
+        if lid in self._load_errors:  # a failed reload not reported yet: reported before trying again
+            return None
         if lid in self._host:
             self._host.move_to_end(lid)
             return self._host[lid]
         fut = self._loading.get(lid)
         if fut is None:
             req = self.get_request(lid)
-            self._loading[lid] = self._loader.submit(self._pack, req)
+            self._loading[lid] = self._loader.submit(self._pack, req, self._sources.get(lid))
             return None
         if not fut.done():
             return None
         del self._loading[lid]
         try:
             packed = fut.result()
-        except Exception as e:  # the files changed on disk since registration
+        except Exception as e:  # the files changed on disk since registration, or a shutdown cancelled it
             logger.error("reloading adapter %d failed: %s", lid, e)
             self._load_errors[lid] = e
             return None
@@ -342,7 +362,8 @@ class LoRAManager:
         out: list[LoRARequest | None] = []
         for lid in self._slot_ids:
             removed = self._removed.get(lid) if lid is not None else None
-            out.append(None if lid is None else self._registered.get(lid) or (removed and removed.request))
+            held = removed.request if isinstance(removed, PackedAdapter) else None
+            out.append(None if lid is None else self._registered.get(lid) or held)
         return out
 
     def _evictable(self, protected: set[int]) -> int | None:
@@ -416,30 +437,56 @@ class LoRAManager:
         return len(self._host)
 
     # ---- packing and validation -----------------------------------------------------------------
-    def _load(self, req: LoRARequest, dtype: torch.dtype | None = None):
+    def _load(
+        self, req: LoRARequest, dtype: torch.dtype | None = None, expect: Iterator[AdapterFiles] | None = None
+    ):
         """The adapter of ``req`` with its LoRA pairs in ``dtype`` (the storage dtype if None). A mixture
         combines its components in fp32 (ties / DARE merge elementwise, which fp16 balancing would change)
-        and is stored after."""
+        and is stored after. ``expect`` yields what an earlier read saw, per adapter dir in read order; a
+        component named by id must match its own registration."""
         dtype = dtype or self.lora_dtype
         if isinstance(req, LoRAMixture):
-            parts = [self._load(r, torch.float32) for r, _ in req.components]
+            parts = [self._load(r, torch.float32, expect) for r, _ in req.components]
             mixed = combine_adapters(
-                req.lora_name, parts, [w for _, w in req.components], req.combination,
-                self.config.max_lora_rank, req.density, req.seed,
+                req.lora_name,
+                parts,
+                [w for _, w in req.components],
+                req.combination,
+                self.config.max_lora_rank,
+                req.density,
+                req.seed,
             )
-            return store_adapter(mixed, dtype)
+            mixed = dataclasses.replace(
+                store_adapter(mixed, dtype), sources=sum((p.sources for p in parts), ())
+            )
+            # the components' weights can add up past the bound
+            check_magnitudes(mixed, dtype, self.model_dtype, self._closing)
+            return mixed
         if not req.lora_path and req.lora_int_id in self._registered:  # a component named by id
-            req = self._registered[req.lora_int_id]
-        return load_adapter(req.lora_path, req.lora_name, self.config.max_lora_rank, dtype)
+            own = self._sources.get(req.lora_int_id)
+            adapter = self._load(self._registered[req.lora_int_id], dtype, iter(own) if own else None)
+            for _ in adapter.sources if expect is not None else ():
+                next(expect, None)  # keep the outer expectations aligned with the dirs read
+            return adapter
+        return load_adapter(
+            req.lora_path, req.lora_name, self.config.max_lora_rank, dtype,
+            out_dtype=self.model_dtype, root=req.lora_root,
+            expect=next(expect, None) if expect is not None else None,
+            # the largest file whose stored adapter can fit max_adapter_bytes: fp64 in the file, fp16 stored
+            max_weights_bytes=4 * self.config.max_adapter_bytes, cancel=self._closing,
+        )  # fmt: skip
 
-    def _pack(self, req: LoRARequest) -> PackedAdapter:
-        adapter = self._load(req)
+    def _pack(self, req: LoRARequest, expect: tuple[AdapterFiles, ...] | None = None) -> PackedAdapter:
+        """Parse, check and lay out ``req``'s adapter; ``expect``: what registration read (a re-read)."""
+        adapter = self._load(req, None, iter(expect) if expect else None)
         if adapter.nbytes > self.config.max_adapter_bytes:
             raise LoRAShapeError(
                 f"adapter {req.lora_name!r} ({req.lora_path}) is {adapter.nbytes} bytes > the limit "
                 f"{self.config.max_adapter_bytes}; raise max_adapter_bytes"
             )
-        packed = pack_adapter(req, adapter, self.model, self.targets, self.modules, self._restricted, self._tp_size)
+        packed = pack_adapter(
+            req, adapter, self.model, self.targets, self.modules, self._restricted, self._tp_size
+        )
         if self.device.type == "cuda":  # pinned host memory: the slot copies run async on the side stream
             for mp in packed.per_module.values():
                 mp.a = [t if t is None else t.pin_memory() for t in mp.a]

@@ -4,38 +4,60 @@ Follows ../shared/reference/peft_semantics.md:
 - tensor keys decide which modules carry LoRA (``base_model.model.`` prefix, ``lora_A/B.weight``,
   ``lora_embedding_A/B``); ``target_modules`` is only validated;
 - per-module r and alpha from ``rank_pattern`` / ``alpha_pattern`` in the file's key order, first
-  ``re.match(rf"(.*\\.)?({key})$", name)`` wins; ``use_rslora`` gives alpha / sqrt(r);
+  ``re.match(rf"(.*\\.)?({key})$", name)`` wins (matched in linear time, ``patterns.py``); ``use_rslora``
+  gives alpha / sqrt(r);
 - the scale is folded into B in fp32;
 - ``unembed_tokens`` (Tinker exports) is ``lm_head``;
 - ``target_parameters`` on MoE experts (PEFT's ParamWrapper): A (E*r, in), B (out, E*r) become per-expert
   A (E, r, in) = A[e*r:(e+1)*r], B (E, out, r) = B[:, e::E], named by the parameter path
   (``...mlp.experts.gate_up_proj``), which is also what rank_pattern / alpha_pattern match (r per expert);
-- features we do not serve yet are refused by name.
+- features we do not serve yet are refused by name;
+- nothing is served unchecked: the files are read confined, capped and hashed (``files.py``), the config's
+  numbers and the tensors must be finite and their magnitudes bounded (``checks.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
-import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from loraserve.lora.checks import check_config_values, check_finite_tensors, check_magnitudes
 from loraserve.lora.errors import (
-    LoRAAdapterNotFoundError,
     LoRAFormatError,
     LoRARankError,
     LoRAUnsupportedFeatureError,
 )
+from loraserve.lora.files import (
+    BIN_NAME,
+    CONFIG_NAME,
+    SAFETENSORS_NAME,
+    AdapterFiles,
+    check_cancel,
+    read_adapter_files,
+)
 from loraserve.lora.ops.precision import to_storage
+from loraserve.lora.param_targets import EXPERT_PARAMS, resolve_param_targets
+from loraserve.lora.patterns import PatternTable, check_target_regex, dot_suffixes
 
+__all__ = [
+    "BIN_NAME",
+    "CONFIG_NAME",
+    "EXPERT_PARAMS",
+    "SAFETENSORS_NAME",
+    "LoRAAdapter",
+    "LoRAModuleWeights",
+    "load_adapter",
+    "resolve_param_targets",
+]
 PREFIX = "base_model.model."
-CONFIG_NAME = "adapter_config.json"
-SAFETENSORS_NAME = "adapter_model.safetensors"
-BIN_NAME = "adapter_model.bin"
+DEFAULT_MAX_WEIGHTS_BYTES = 8 << 30
 _BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq")
 _MODULE_ALIASES = {"model.unembed_tokens": "lm_head", "unembed_tokens": "lm_head"}
 
@@ -52,7 +74,8 @@ class LoRAModuleWeights:
     is_embedding: bool = False
     magnitude: torch.Tensor | None = None  # DoRA m: (out,) for linear, (H,) for embedding
     lora_bias: torch.Tensor | None = None  # s * lora_B.bias, folded in fp32
-    num_experts: int = 0  # > 0: a target_parameters LoRA on a 3-D expert parameter, A (E, r, in), B (E, out, r)
+    # > 0: a target_parameters LoRA on a 3-D expert parameter, A (E, r, in), B (E, out, r)
+    num_experts: int = 0
 
 
 @dataclass
@@ -74,6 +97,9 @@ class LoRAAdapter:
     bias_replacements: dict[str, torch.Tensor] = field(default_factory=dict)
     weight_replacements: dict[str, torch.Tensor] = field(default_factory=dict)
     trainable_tokens: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
+    # what was read from disk to build it, one entry per adapter dir (a mixture: per component, in order):
+    # the real paths and sha256 digests a re-read after a host-cache eviction must find again
+    sources: tuple[AdapterFiles, ...] = ()
 
     @property
     def rank(self) -> int:
@@ -85,14 +111,6 @@ class LoRAAdapter:
         n += sum(t.nbytes for t in self.weight_replacements.values())
         n += sum(t.nbytes for t in self.bias_replacements.values())
         return n + sum(rows.nbytes for _, rows in self.trainable_tokens.values())
-
-
-def pattern_key(pattern: dict, name: str) -> str | None:
-    """PEFT's get_pattern_key: the first key (in dict order) whose regex matches the end of name at a dot."""
-    for key in pattern:
-        if re.match(rf"(.*\.)?({key})$", name):
-            return key
-    return None
 
 
 def _refuse(path: Path, feature: str, fix: str) -> LoRAUnsupportedFeatureError:
@@ -132,7 +150,11 @@ def check_supported(cfg: dict, path: Path) -> None:
         raise _refuse(f, "layer_replication", "serve a model without replicated layers")
     if cfg.get("alora_invocation_tokens"):
         raise _refuse(f, "aLoRA (alora_invocation_tokens)", "serve it as a plain LoRA adapter")
-    for key, feature in (("use_bdlora", "block-diagonal LoRA (use_bdlora)"), ("kasa_config", "KaSA"), ("use_qalora", "QALoRA")):
+    for key, feature in (
+        ("use_bdlora", "block-diagonal LoRA (use_bdlora)"),
+        ("kasa_config", "KaSA"),
+        ("use_qalora", "QALoRA"),
+    ):
         if cfg.get(key):
             raise _refuse(f, feature, "serve a plain LoRA adapter")
 
@@ -142,52 +164,45 @@ def _validate_targets(cfg: dict, f: Path) -> None:
     if t is None or isinstance(t, list) and all(isinstance(x, str) for x in t):
         return
     if isinstance(t, str):
-        if t in ("all-linear", "all"):
-            return
-        try:
-            re.compile(t)
-        except re.error as e:
-            raise LoRAFormatError(f"adapter {f}: target_modules {t!r} is not a valid regex: {e}") from e
+        if t not in ("all-linear", "all"):
+            check_target_regex(t, f"adapter {f}")
         return
-    raise LoRAFormatError(f"adapter {f}: target_modules must be a list of names or a regex string, got {t!r}")
+    raise LoRAFormatError(
+        f"adapter {f}: target_modules must be a list of names or a regex string, got {str(t)[:80]}"
+    )
 
 
-def read_config(path: Path) -> dict:
-    if not path.exists():
-        raise LoRAAdapterNotFoundError(f"adapter dir {path} does not exist; check the lora_path")
-    f = path / CONFIG_NAME
-    if not f.is_file():
-        raise LoRAFormatError(f"adapter {path}: {CONFIG_NAME} is missing; save the adapter with PEFT's save_pretrained")
+def parse_config(data: bytes, f: Path) -> dict:
+    """adapter_config.json's bytes -> dict, keeping the file's key order (which rank_pattern needs)."""
     try:
-        cfg = json.loads(f.read_text())  # dicts keep the file's key order, which rank_pattern needs
+        cfg = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoRAFormatError(f"adapter {f}: invalid JSON ({e}); re-save the adapter config") from e
+    except RecursionError:
+        raise LoRAFormatError(
+            f"adapter {f}: invalid JSON (nested too deeply); re-save the adapter config"
+        ) from None
     if not isinstance(cfg, dict):
         raise LoRAFormatError(f"adapter {f}: expected a JSON object")
-    for key in ("r", "lora_alpha"):
-        if key in cfg and not isinstance(cfg[key], (int, float)):
-            raise LoRAFormatError(f"adapter {f}: {key} must be a number, got {cfg[key]!r}")
     return cfg
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    st, binf = path / SAFETENSORS_NAME, path / BIN_NAME
+def parse_tensors(data: bytes, wfile: Path) -> dict[str, torch.Tensor]:
+    """The weights file's bytes (safetensors, or a PyTorch pickle read with weights_only) -> state dict."""
     try:
-        if st.is_file():
-            from safetensors.torch import load_file
+        if wfile.name == SAFETENSORS_NAME:
+            from safetensors.torch import load
 
-            return load_file(str(st))
-        if binf.is_file():
-            # NOTE: weights_only=True: a .bin adapter is a pickle; never run code from it
-            sd = torch.load(str(binf), map_location="cpu", weights_only=True)
-            if not isinstance(sd, dict):
-                raise LoRAFormatError(f"adapter {binf}: expected a state dict")
-            return sd
-    except LoRAFormatError:
-        raise
+            return dict(sorted(load(data).items()))  # key order as safetensors' load_file gives it
+        # NOTE: weights_only=True: a .bin adapter is a pickle; never run code from it
+        sd = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
-        raise LoRAFormatError(f"adapter {path}: cannot read the weights file ({type(e).__name__}: {e})") from e
-    raise LoRAFormatError(f"adapter {path}: neither {SAFETENSORS_NAME} nor {BIN_NAME} exists")
+        raise LoRAFormatError(
+            f"adapter {wfile}: cannot read the weights file ({type(e).__name__}: {e})"
+        ) from e
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise LoRAFormatError(f"adapter {wfile}: expected a state dict of tensors")
+    return sd
 
 
 _KEY_SUFFIXES = (
@@ -203,7 +218,7 @@ _KEY_SUFFIXES = (
 )
 
 
-def _split_key(key: str, f: Path, modules_to_save: list[str]) -> tuple[str, str]:
+def _split_key(key: str, f: Path, modules_to_save: set[str]) -> tuple[str, str]:
     """'base_model.model.X.lora_A.weight' -> ('X', 'lora_A'); full-module keys of modules_to_save -> 'weight'/'bias'."""
     if not key.startswith(PREFIX):
         raise LoRAFormatError(f"adapter {f}: tensor key {key!r} lacks the {PREFIX!r} prefix PEFT writes")
@@ -214,7 +229,7 @@ def _split_key(key: str, f: Path, modules_to_save: list[str]) -> tuple[str, str]
     for suffix, kind in ((".weight", "weight"), (".bias", "bias")):
         if k.endswith(suffix):
             module = k[: -len(suffix)]
-            if kind == "weight" and not any(module == m or module.endswith("." + m) for m in modules_to_save):
+            if kind == "weight" and modules_to_save.isdisjoint(dot_suffixes(module)):
                 break
             return module, kind  # a modules_to_save copy, or a bias saved with bias="all"
     raise LoRAFormatError(f"adapter {f}: unrecognized tensor key {key!r} (is this a PEFT LoRA adapter?)")
@@ -228,65 +243,9 @@ def _trainable_token_ids(cfg: dict, module: str, f: Path) -> list[int]:
         for name, ids in spec.items():
             if module == name or module.endswith("." + name):
                 return [int(i) for i in ids]
-    raise LoRAFormatError(f"adapter {f}: trainable tokens for {module!r} but trainable_token_indices does not name it")
-
-
-# 3-D expert parameters a target_parameters LoRA may adapt, in HF's registration order (input projection first)
-EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
-_BASE_LAYER = ".base_layer"
-
-
-def _fits_gated(a_in, b_in, a_down, b_down) -> bool:
-    """Do these factors fit gate_up_proj (A (., H), B (2I, .)) and down_proj (A (., I), B (H, .))?"""
-    return a_in.shape[1] == b_down.shape[0] and b_in.shape[0] == 2 * a_down.shape[1]
-
-
-def resolve_param_targets(cfg: dict, parts: dict[str, dict[str, torch.Tensor]], f: Path) -> dict[str, str]:
-    """target_parameters LoRA keys -> the parameter path they adapt ('...experts.base_layer' -> '...experts.gate_up_proj').
-
-    PEFT wraps each targeted parameter of a module in its own ParamWrapper, nesting them in registration order
-    (first registered innermost): with gate_up_proj and down_proj both targeted, ``<m>.base_layer.lora_*`` is
-    gate_up_proj and ``<m>.lora_*`` is down_proj. The key does not name the parameter, so: a module with one
-    candidate in target_parameters takes it; with two, shapes decide (gate_up: A (., H), B (2I, .); down:
-    A (., I), B (H, .)), registration order only when shapes cannot (non-gated experts).
-    """
-    targets = cfg.get("target_parameters") or []
-    if not targets:
-        return {}
-    groups: dict[str, dict[int, str]] = {}
-    for key in parts:
-        base, depth = key, 0
-        while base.endswith(_BASE_LAYER):
-            base, depth = base[: -len(_BASE_LAYER)], depth + 1
-        groups.setdefault(base, {})[depth] = key
-    out: dict[str, str] = {}
-    for base, by_depth in groups.items():
-        cands = []
-        for t in targets:
-            param = t.rpartition(".")[2]
-            full = f"{base}.{param}"
-            if (full == t or full.endswith("." + t)) and param not in cands:
-                cands.append(param)
-        if not cands:
-            if len(by_depth) > 1 or 0 not in by_depth:
-                raise LoRAFormatError(f"adapter {f}: nested LoRA keys under {base!r} match no target_parameters entry")
-            continue  # a plain target_modules LoRA
-        if sorted(by_depth) != list(range(len(by_depth))) or len(by_depth) != len(cands):
-            raise LoRAFormatError(
-                f"adapter {f}: {base!r} has {len(by_depth)} nested LoRA(s) but target_parameters names "
-                f"{len(cands)} parameter(s) there ({', '.join(cands)}); the file does not match its config"
-            )
-        if len(cands) > 2:
-            raise LoRAUnsupportedFeatureError(f"adapter {f}: more than two target_parameters on {base!r} are not supported")
-        cands.sort(key=EXPERT_PARAMS.index)
-        keys = [by_depth[d] for d in sorted(by_depth, reverse=True)]  # innermost (first registered) first
-        if len(keys) == 2:
-            (a0, b0), (a1, b1) = ((parts[k].get("lora_A"), parts[k].get("lora_B")) for k in keys)
-            if all(t is not None for t in (a0, b0, a1, b1)) and cands[0] == "gate_up_proj":
-                if not _fits_gated(a0, b0, a1, b1) and _fits_gated(a1, b1, a0, b0):
-                    keys.reverse()
-        out.update((k, f"{base}.{c}") for k, c in zip(keys, cands))
-    return out
+    raise LoRAFormatError(
+        f"adapter {f}: trainable tokens for {module!r} but trainable_token_indices does not name it"
+    )
 
 
 def _expert_param_lora(
@@ -312,7 +271,9 @@ def _expert_param_lora(
     )
 
 
-def _stored(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, f, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _stored(
+    a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, f, module: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A and scaled B (fp32) in the storage dtype (``precision.to_storage``: fp16 is balanced per rank)."""
     try:
         return to_storage(a, b, dtype, f"adapter {f}: module {module!r}")
@@ -341,21 +302,44 @@ def store_adapter(adapter: LoRAAdapter, dtype: torch.dtype) -> LoRAAdapter:
     return dataclasses.replace(adapter, modules=modules)
 
 
-def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+def load_adapter(
+    path: str | Path,
+    name: str,
+    max_rank: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    out_dtype: torch.dtype | None = None,
+    root: str | Path | None = None,
+    expect: AdapterFiles | None = None,
+    max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
+    cancel: threading.Event | None = None,
+) -> LoRAAdapter:
     """Parse and validate an adapter dir; the LoRA pairs in ``dtype`` (fp16: balanced per rank,
     ``precision.balance_to_fp16``), the rest in ``_extras_dtype(dtype)``. Raises a LoRAError subclass
-    naming the file, module and fix."""
+    naming the file, module and fix.
+
+    The files are read once, as ``files.read_adapter_files`` says (``root``: confined under it;
+    ``expect``: the same real paths and sha256 as a registration read, else LoRAChangedError; the
+    weights file at most ``max_weights_bytes``); ``sources`` of the result records what was read.
+    Values are checked as ``checks.py`` says, the magnitudes for a model computing in ``out_dtype``
+    (default ``dtype``). ``cancel``: once set, the parse stops with LoRALoadCancelledError."""
     path = Path(path)
     ex_dtype = _extras_dtype(dtype)
-    cfg = read_config(path)
+    cfg_bytes, w_bytes, wname, files = read_adapter_files(
+        path, root=root, expect=expect, max_weights_bytes=max_weights_bytes, cancel=cancel
+    )
+    cfg = parse_config(cfg_bytes, path / CONFIG_NAME)
+    check_config_values(cfg, f"adapter {name!r} ({path / CONFIG_NAME})")
     check_supported(cfg, path)
     _validate_targets(cfg, path / CONFIG_NAME)
-    tensors = read_tensors(path)
-    wfile = path / (SAFETENSORS_NAME if (path / SAFETENSORS_NAME).is_file() else BIN_NAME)
+    wfile = path / wname
+    tensors = parse_tensors(w_bytes, wfile)
+    del w_bytes  # the tensors are copies
     if not tensors:
         raise LoRAFormatError(f"adapter {wfile}: holds no tensors")
+    check_finite_tensors(tensors, f"adapter {name!r} ({wfile})", cancel)
 
-    mts = list(cfg.get("modules_to_save") or [])
+    mts = set(cfg.get("modules_to_save") or [])
     parts: dict[str, dict[str, torch.Tensor]] = {}
     copies: dict[str, torch.Tensor] = {}
     biases: dict[str, torch.Tensor] = {}
@@ -373,33 +357,46 @@ def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype 
         elif kind == "trainable_tokens":
             ids = _trainable_token_ids(cfg, module, wfile)
             if t.dim() != 2 or t.shape[0] != len(ids):
-                raise LoRAFormatError(f"adapter {wfile}: {key} has shape {tuple(t.shape)} for {len(ids)} token ids")
+                raise LoRAFormatError(
+                    f"adapter {wfile}: {key} has shape {tuple(t.shape)} for {len(ids)} token ids"
+                )
             tokens[alias] = (ids, t.float().to(ex_dtype))
         else:
             parts.setdefault(module, {})[kind] = t
 
     r_default, alpha_default = cfg.get("r", 8), cfg.get("lora_alpha", 8)
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    where = f"adapter {path / CONFIG_NAME}"
+    rank_pattern = PatternTable(cfg.get("rank_pattern") or {}, "rank_pattern", where)
+    alpha_pattern = PatternTable(cfg.get("alpha_pattern") or {}, "alpha_pattern", where)
     rslora = bool(cfg.get("use_rslora", False))
     modules: dict[str, LoRAModuleWeights] = {}
     params = resolve_param_targets(cfg, parts, wfile)
     for module, p in parts.items():
+        check_cancel(cancel, f"adapter {path}")
         is_emb = "lora_embedding_A" in p or "lora_embedding_B" in p
         ka, kb = ("lora_embedding_A", "lora_embedding_B") if is_emb else ("lora_A", "lora_B")
         if "magnitude" in p and not cfg.get("use_dora"):
-            raise LoRAFormatError(f"adapter {wfile}: module {module!r} has a DoRA magnitude but use_dora is false")
+            raise LoRAFormatError(
+                f"adapter {wfile}: module {module!r} has a DoRA magnitude but use_dora is false"
+            )
         if cfg.get("use_dora") and ka in p and "magnitude" not in p:
-            raise LoRAFormatError(f"adapter {wfile}: use_dora is set but module {module!r} has no lora_magnitude_vector")
+            raise LoRAFormatError(
+                f"adapter {wfile}: use_dora is set but module {module!r} has no lora_magnitude_vector"
+            )
         if ka not in p or kb not in p:
             missing = ka if ka not in p else kb
-            raise LoRAFormatError(f"adapter {wfile}: module {module!r} has no {missing} tensor; the file is incomplete")
+            raise LoRAFormatError(
+                f"adapter {wfile}: module {module!r} has no {missing} tensor; the file is incomplete"
+            )
         a, b = p[ka], p[kb]
         if a.dim() != 2 or b.dim() != 2:
-            raise LoRAFormatError(f"adapter {wfile}: module {module!r}: LoRA tensors must be 2-D, got {tuple(a.shape)}, {tuple(b.shape)}")
+            raise LoRAFormatError(
+                f"adapter {wfile}: module {module!r}: LoRA tensors must be 2-D, got {tuple(a.shape)}, {tuple(b.shape)}"
+            )
         param = params.get(module)
-        rk, ak = pattern_key(rank_pattern, param or module), pattern_key(alpha_pattern, param or module)
-        r = rank_pattern[rk] if rk is not None else r_default
-        alpha = alpha_pattern[ak] if ak is not None else alpha_default
+        r, alpha = rank_pattern.lookup(param or module), alpha_pattern.lookup(param or module)
+        r = r_default if r is None else r
+        alpha = alpha_default if alpha is None else alpha
         if param is not None:  # target_parameters: r counts per expert
             if r > max_rank:
                 raise LoRARankError(
@@ -435,7 +432,7 @@ def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype 
         )
     if not (modules or replacements or biases or tokens):
         raise LoRAFormatError(f"adapter {wfile}: holds no LoRA tensors")
-    return LoRAAdapter(
+    adapter = LoRAAdapter(
         name=name or path.name,
         path=str(path),
         config=cfg,
@@ -444,4 +441,7 @@ def load_adapter(path: str | Path, name: str, max_rank: int, dtype: torch.dtype 
         bias_replacements=biases,
         weight_replacements=replacements,
         trainable_tokens=tokens,
+        sources=(files,),
     )
+    check_magnitudes(adapter, dtype, out_dtype or dtype, cancel)
+    return adapter

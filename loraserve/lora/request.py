@@ -10,6 +10,9 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int  # > 0; the identity of these weights (a reload with new weights needs a new id)
     lora_path: str = ""  # "" = refer to an adapter already registered under this id
+    # the dir lora_path was confined to (the server's --lora-root): every read of the adapter's files, the
+    # first and each one after a host-cache eviction, must resolve under it (lora/files.py ``confine``)
+    lora_root: str | None = None
 
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:
@@ -36,6 +39,8 @@ class LoRAMixture(LoRARequest):
         if not 2 <= len(self.components) <= 4:
             raise ValueError(f"a mixture names 2 to 4 adapters, got {len(self.components)}")
         if self.combination not in ("linear", "ties", "dare_linear", "dare_ties"):
-            raise ValueError(f"unknown combination {self.combination!r}; use linear, ties, dare_linear or dare_ties")
+            raise ValueError(
+                f"unknown combination {self.combination!r}; use linear, ties, dare_linear or dare_ties"
+            )
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
