@@ -269,6 +269,8 @@ class LLMEngine:
         try:
             launched, self._inflight = self._inflight, None
             if launched is None:  # nothing carried over from the last call: schedule now
+                if failed := self._fail_broken_reloads():
+                    return failed
                 batch = self.scheduler.schedule()
                 clock.lap("schedule")
                 if batch.empty:
@@ -390,24 +392,22 @@ class LLMEngine:
         top = unpack_logprobs(stats, launched.logprob_rows.ks) if stats is not None else None
         return (ids.tolist() if ids is not None else []), top
 
+    def _fail_broken_reloads(self) -> list[RequestOutput]:
+        """Fail the requests whose adapter's re-read failed (its files changed since registration, ...)."""
+        failed = self.lora_manager.take_load_errors() if self.lora_manager is not None else {}
+        return [
+            self._fail_request(
+                r.request_id, f"reloading adapter {r.lora_request.lora_name!r} failed: {failed[lid]}"
+            )
+            for r in list(self.requests.values())
+            if (lid := r.lora_request.lora_int_id if r.lora_request else None) in failed
+        ]
+
     def _idle(self) -> list[RequestOutput]:
-        """Nothing runnable: requests wait on adapter loads. Fail those whose reload broke, else wait a bit."""
-        if self.lora_manager is None or not self.scheduler.has_unfinished():
-            return []
-        failed = self.lora_manager.take_load_errors()
-        outs = []
-        for req in list(self.requests.values()):
-            lid = req.lora_request.lora_int_id if req.lora_request is not None else None
-            if lid in failed:
-                outs.append(
-                    self._fail_request(
-                        req.request_id,
-                        f"reloading adapter {req.lora_request.lora_name!r} failed: {failed[lid]}",
-                    )
-                )
-        if not outs:
+        """Nothing runnable: requests wait on adapter loads; wait a bit for one."""
+        if self.lora_manager is not None and self.scheduler.has_unfinished():
             self.lora_manager.wait_for_loads()
-        return outs
+        return []
 
     def _sample(self, out: RunnerOutput, pending: int = 0) -> torch.Tensor | None:
         """The sampled ids (len(sample_seqs),) on the logits' device; None when no sequence samples.

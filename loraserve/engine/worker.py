@@ -196,7 +196,9 @@ class TPWorkers:
             return []
         current = self.lora_manager.slot_requests()
         ops = [
-            ("reset", slot) if new is None else ("set", slot, new)
+            ("reset", slot)
+            if new is None
+            else ("set", slot, new, self.lora_manager.registered_files(new.lora_int_id))
             for slot, (old, new) in enumerate(zip(self._mirrored, current))
             if old != new
         ]
@@ -325,8 +327,9 @@ class Worker:
             for module in m.modules.values():
                 module.reset_lora(op[1])
             return
-        _, slot, req = op
-        packed = self._packed.pop(req, None) or m._pack(req)  # parse + validate + lay out, as rank 0 did
+        _, slot, req, files = op
+        # parse + check + lay out, as rank 0 did; the files must be the ones rank 0 registered
+        packed = self._packed.pop(req, None) or m._pack(req, files)
         self._packed[req] = packed
         while len(self._packed) > m.config.max_cpu_loras:
             self._packed.popitem(last=False)

@@ -60,7 +60,10 @@ def _expand(given: str | Path) -> Path:
     try:
         return Path(given).expanduser()
     except RuntimeError as e:  # "~unknownuser/..."
-        raise LoRAPathError(f"lora_path {str(given)!r}: {e}") from None
+        raise LoRAPathError(
+            f"lora_path {str(given)!r} does not exist: its ~user is unknown ({e}); pass an absolute path "
+            "or one relative to --lora-root"
+        ) from None
 
 
 def confine(given: str | Path, root: str | Path) -> Path:

@@ -302,7 +302,7 @@ class _Server:
         body = parse_body(await raw.body(), raw.headers.get("content-type"), LoadLoRAAdapterRequest)
         check_adapter_name(body.lora_name, self.model_name)
         path = resolve_lora_path(body.lora_path, self.lora_root)
-        lr = await self.engine.load_adapter(body.lora_name, path)
+        lr = await self.engine.load_adapter(body.lora_name, path, str(self.lora_root))
         return JSONResponse(
             {
                 "message": f"Success: LoRA adapter '{lr.lora_name}' added successfully.",

@@ -76,8 +76,8 @@ class AdapterTable:
     def snapshot(self) -> dict[str, LoRARequest]:
         return self._by_name
 
-    def new_request(self, name: str, path: str) -> LoRARequest:
-        return LoRARequest(name, next(self._ids), path)
+    def new_request(self, name: str, path: str, lora_root: str | None = None) -> LoRARequest:
+        return LoRARequest(name, next(self._ids), path, lora_root=lora_root)
 
     def load(
         self, engine: LLMEngine, name: str, path: str, req: LoRARequest | None = None, packed=None
@@ -230,6 +230,8 @@ class AsyncEngine:
                 fut.set_exception(err)
             except concurrent.futures.InvalidStateError:  # it finished meanwhile
                 pass
+        if self.engine.lora_manager is not None:
+            self.engine.lora_manager.close()  # parses in flight stop at their next read
 
     def _in_daemon_thread(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """``fn(*args)`` on a new daemon thread, awaitable from the loop; ``stop_streams`` ends the wait.
@@ -384,8 +386,10 @@ class AsyncEngine:
         self.metrics.prompt_tokens += sum(len(r.prompt_token_ids) for r in requests)
         return stream
 
-    async def load_adapter(self, name: str, path: str) -> LoRARequest:
-        req = self.adapters.new_request(name, path)
+    async def load_adapter(self, name: str, path: str, lora_root: str | None = None) -> LoRARequest:
+        """Parse ``path`` off the engine thread, then register it as ``name``; every later read of its
+        files stays under ``lora_root`` (when given) and must find them as registration did."""
+        req = self.adapters.new_request(name, path, lora_root)
         packed = None
         if self.engine.lora_manager is not None:
             # NOTE: parse on a worker thread, so a runtime load never stalls the step loop

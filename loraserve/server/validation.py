@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from loraserve.lora.errors import LoRAPathError
+from loraserve.lora.files import confine
 from loraserve.server.errors import APIError
 
 M = TypeVar("M", bound=BaseModel)
@@ -135,28 +137,9 @@ def check_adapter_name(name: str, base_name: str) -> None:
 
 
 def resolve_lora_path(given: str, root: Path) -> str:
-    """The real path of ``given`` (relative = under ``root``) if it and every file in it lie under ``root``."""
-
-    def bad(why: str) -> APIError:
-        return APIError(400, f"lora_path {given!r} {why}", "lora_path")
-
-    if "\x00" in given:
-        raise bad("contains a NUL byte; pass a directory path")
+    """The real path of ``given`` (relative = under ``root``) if it and every file in it lie under ``root``:
+    the manager's own check (``lora.files.confine``), which it applies again on every re-read."""
     try:
-        p = Path(given).expanduser()  # RuntimeError: ~user with no such user
-        if not p.is_absolute():
-            p = root / p
-        real = p.resolve(strict=True)
-    except (OSError, RuntimeError, ValueError):
-        raise bad("does not exist (or its ~user is unknown)") from None
-    if not real.is_relative_to(root):
-        raise bad(f"resolves outside --lora-root {root}; adapters must live under it (symlinks are followed)")
-    try:
-        if not real.is_dir():
-            raise bad("is not a directory; pass a PEFT adapter dir")
-        for f in real.iterdir():
-            if not f.resolve().is_relative_to(root):
-                raise bad(f"holds {f.name}, which links outside --lora-root {root}")
-    except OSError as e:
-        raise bad(f"cannot be read: {e.strerror}") from None
-    return str(real)
+        return str(confine(given, root))
+    except LoRAPathError as e:
+        raise APIError(400, str(e), "lora_path") from None

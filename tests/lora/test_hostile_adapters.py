@@ -285,6 +285,29 @@ def test_file_rewritten_after_eviction_fails_its_requests_not_served(setup, whic
     assert _greedy(llm, req) == want
 
 
+def test_a_failed_reload_fails_its_requests_while_other_traffic_runs(setup):
+    """The reload's error reaches its requests at the next step, not once the engine is idle."""
+    root, llm = setup
+    d = _variant(root, "victim_busy")
+    req = LoRARequest("victim_busy", 250, str(d))
+    _greedy(llm, req)
+    _evict(llm, root, 250)
+    shutil.copy(root / "third" / "adapter_model.safetensors", d / "adapter_model.safetensors")
+    eng = llm.engine
+    eng.add_request(
+        "busy-base", None, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), [5, 6, 7]
+    )
+    eng.add_request("busy-victim", None, SP, PROMPT["prompt_token_ids"], req)
+    for _ in range(200):
+        outs = {o.request_id: o for o in eng.step()}
+        if "busy-victim" in outs and outs["busy-victim"].finished:
+            break
+    assert "changed on disk" in outs["busy-victim"].error
+    assert "busy-base" in eng.requests, "the victim failed only once the other traffic ended"
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
 def test_file_swapped_for_a_link_outside_the_root_after_eviction_is_refused(setup, tmp_path):
     root, llm = setup
     lora_root = root / "lora_root"
