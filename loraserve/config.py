@@ -54,6 +54,12 @@ class Env:
         )
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter (Triton's own ``TRITON_INTERPRET=1``: the GPU tests on
+    the CPU). Read at each call, not at import: the kernels ask when they launch."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
     """'auto' means the checkpoint's dtype, except half precision on the CPU, which becomes float32.
 

@@ -106,5 +106,5 @@ def check_no_deferred_delta() -> None:
         raise RuntimeError(
             f"a LoRA delta deferred to the reader of an output {tuple(y.shape)} was never taken: the module marked "
             "output_feeds_norm (output_feeds_rotary) does not feed an RMSNorm (the attention's rotary launch) here; "
-            "unmark it (or run with LORASERVE_DEFER_DELTA=0 / LORASERVE_DEFER_QKV=0)"
+            "unmark it in the model file"
         )

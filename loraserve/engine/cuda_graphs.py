@@ -37,7 +37,6 @@ import torch
 
 from loraserve.engine.transfer import copy_from_host
 from loraserve.forward_context import AttentionMetadata, forward_context
-from loraserve.lora.ops import precision
 from loraserve.lora.punica import LoRAMapping, SegmentMeta
 
 
@@ -183,7 +182,7 @@ class DecodeGraphs:
         self._fill(step, Bp, use_lora)
         lm = self.runner.lora_manager
         vocab_lora = use_lora and lm.slots_have_vocab_lora(step.token_slots)
-        a_exact = use_lora and precision.ONE_PIECE_WHERE_EXACT and lm.slots_a_exact_in_w(step.token_slots)
+        a_exact = use_lora and lm.slots_a_exact_in_w(step.token_slots)
         if use_lora:
             lm.punica.kernels.refresh_ranks()
         key = (Bp, use_lora, vocab_lora, a_exact)

@@ -19,15 +19,14 @@ of a rotary launch plus two index_put launches.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.forward_context import AttentionMetadata, current_lora_mapping, get_forward_context
-from loraserve.layers.triton_dispatch import FUSED_ELEMENTWISE, elementwise_kernels
+from loraserve.forward_context import AttentionMetadata, get_forward_context
+from loraserve.layers.triton_dispatch import elementwise_kernels
 
 if TYPE_CHECKING:
     from loraserve.layers.rotary import RotaryEmbedding
@@ -125,9 +124,6 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self._kernel = None
-        # the layer's modules run after this launch, whose LoRA weights it pulls into L2 on a decode step
-        # (``l2_prefetch``): a callable giving them (o, gate/up, down), set by the decoder layer that owns them
-        self.lora_prefetch_from: Callable[[], tuple[nn.Module, ...]] | None = None
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -140,7 +136,6 @@ class Attention(nn.Module):
         v: torch.Tensor,
         positions: torch.Tensor | None = None,
         rotary_emb: RotaryEmbedding | None = None,
-        feeds: nn.Module | None = None,
         qkv_delta=None,
     ) -> torch.Tensor:
         """q (T, Hq*D), k/v (T, Hk*D) (or (T, H, D) views, head_dim contiguous) -> (T, Hq*D).
@@ -150,10 +145,6 @@ class Attention(nn.Module):
         first (the cache holds rotated k and plain v); without them they are taken as rotated already.
         The result is the same either way; with the Triton kernel bound, the rotation and the cache
         write are one launch.
-
-        ``feeds``: the layer the output goes to (o_proj). Where it is LoRA'd (``fused_shrink_operands``) and
-        this is a decode step on the Triton kernel, the attention launch computes its shrink too, kept for it
-        (``keep_shrunk``): o_proj then runs no shrink launch.
 
         ``qkv_delta``: the LoRA delta the qkv projection left to this launch (a ``punica.PendingQKVDelta``;
         ``takes_qkv_delta`` says where): the rotary launch adds it to q, k and v first.
@@ -170,7 +161,7 @@ class Attention(nn.Module):
         assert qkv_delta is None or self.takes_qkv_delta(rotary_emb), (
             "a qkv delta where the rotary launch is not run"
         )
-        if rotary_emb is not None and self._kernel is not None and FUSED_ELEMENTWISE:
+        if self.takes_qkv_delta(rotary_emb):
             cos, sin = rotary_emb.cos_sin(positions, q.dtype)  # (T, rotary_dim) each, shared per forward
             q = elementwise_kernels().rotary_kv_cache(
                 q, k, v, cos, sin, self.k_cache, self.v_cache, md.slot_mapping, delta=qkv_delta
@@ -183,58 +174,10 @@ class Attention(nn.Module):
         if self._kernel is None:
             o = reference_paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
             return o.reshape(T, self.num_heads * self.head_dim)
-        shrink, prefetch = self._fused_shrink(q, md, feeds), self._l2_prefetch(md)
-        if shrink is None:
-            o = self._kernel(
-                q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window, prefetch=prefetch
-            )
-            return o.reshape(T, self.num_heads * self.head_dim)
-        o, obuf = self._kernel(
-            q,
-            self.k_cache,
-            self.v_cache,
-            md,
-            self.scale,
-            self.sliding_window,
-            shrink=shrink,
-            prefetch=prefetch,
-        )
-        out = o.reshape(T, self.num_heads * self.head_dim)
-        feeds.keep_shrunk(out, obuf)
-        return out
+        o = self._kernel(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
+        return o.reshape(T, self.num_heads * self.head_dim)
 
     def takes_qkv_delta(self, rotary_emb: RotaryEmbedding | None) -> bool:
-        """Whether ``forward`` adds a qkv delta in its rotary launch (the Triton kernels, with rotary): else the
-        caller adds it to qkv itself (``PendingQKVDelta.add_to``)."""
-        return rotary_emb is not None and self._kernel is not None and FUSED_ELEMENTWISE
-
-    def _l2_prefetch(self, md):
-        """(region table, token slots) of the LoRA weights ``lora_prefetch_from`` read on this step, for the Triton
-        kernel to pull into L2 (``l2_prefetch``, opt-in: measured slower): on a decode step whose LoRA takes the fused path
-        in those modules (``l2_prefetch_stacks``); else None."""
-        mapping = current_lora_mapping()
-        if self.lora_prefetch_from is None or md.max_query_len > 1 or mapping is None or not mapping.has_lora:
-            return None
-        from loraserve.lora.ops.triton import l2_prefetch  # the kernel is bound: triton is importable
-
-        if not l2_prefetch.ENABLED:
-            return None
-        mods = self.lora_prefetch_from()
-        stacks = [t for m in mods if hasattr(m, "l2_prefetch_stacks") for t in m.l2_prefetch_stacks()]
-        table = l2_prefetch.region_table(stacks)
-        return None if table is None else (table, mapping.token_slots)
-
-    def _fused_shrink(self, q: torch.Tensor, md, feeds: nn.Module | None):
-        """(A, ranks, token slots) for the Triton kernel to compute ``feeds``' LoRA shrink of the output, where
-        it is on (LORASERVE_ATTN_SHRINK), feeds takes it this step and the kernel supports it; else None."""
-        operands = getattr(feeds, "fused_shrink_operands", None)
-        if operands is None or md.max_query_len > 1:
-            return None
-        from loraserve.layers import triton_attention  # the kernel is bound: triton is importable
-
-        if not triton_attention.SHRINK_ENABLED:
-            return None
-        fused = operands(q.reshape(q.shape[0], -1))  # an input like the output (its shape, dtype, device)
-        if fused is None or not triton_attention.shrink_supports(q, self.num_kv_heads, md, fused.lora_a):
-            return None
-        return fused.lora_a, fused.ranks, fused.token_slots
+        """Whether ``forward`` rotates and writes the cache in one launch (the Triton kernels, with rotary), which
+        adds a qkv delta too: else the caller adds it to qkv itself (``PendingQKVDelta.add_to``)."""
+        return rotary_emb is not None and self._kernel is not None

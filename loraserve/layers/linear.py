@@ -116,10 +116,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_partition_sizes[:shard_id])
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
-    def forward_activated(self, x: torch.Tensor, act, feeds: nn.Module | None = None) -> torch.Tensor:
+    def forward_activated(self, x: torch.Tensor, act) -> torch.Tensor:
         """act(self(x)): a gated MLP's projection and its activation. The LoRA wrapper of gate_up fuses
-        the two where that is faster (``MergedColumnParallelLinearWithLoRA.forward_activated``), and there
-        ``feeds`` (the layer the output goes to, down) may get its LoRA shrink from the same launch."""
+        the two where that is faster (``MergedColumnParallelLinearWithLoRA.forward_activated``)."""
         return act(self(x))
 
 
@@ -127,7 +126,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Packed q, k, v projections, sharded by heads. With fewer kv heads than ranks, kv heads are replicated."""
 
     # set by a model whose attention's rotary + KV-cache launch reads this layer's output directly (no q/k norm in
-    # between): a LoRA'd wrapper may then leave its delta to that launch (row_delta.QKV_ENABLED; forward_context.defer_delta)
+    # between): a LoRA'd wrapper may then leave its delta to that launch (row_delta; forward_context.defer_delta)
     output_feeds_rotary = False
 
     def __init__(

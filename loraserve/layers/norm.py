@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from loraserve.forward_context import take_deferred_delta
-from loraserve.layers.triton_dispatch import FUSED_ELEMENTWISE, elementwise_kernels, on_triton
+from loraserve.layers.triton_dispatch import elementwise_kernels, on_triton
 
 
 class RMSNorm(nn.Module):
@@ -29,23 +29,22 @@ class RMSNorm(nn.Module):
         """``feeds``: the layer that takes this norm's output as its input, if the caller knows it. A layer
         with a ``fuse_norm(x, residual, weight, eps, delta)`` method may compute the norm itself, with work of
         its own in the same launch (a LoRA'd projection's shrink); it returns what this method would, or
-        None, and then the norm runs here. Not with LORASERVE_FUSED_ELEMENTWISE=0 when there is a residual
-        (that switch separates the add from the norm).
+        None, and then the norm runs here.
 
         x may carry a LoRA delta its projection left to this norm (``take_deferred_delta``: a row-parallel
         projection marked ``output_feeds_norm``, ``row_delta``): it is added to x first, in the launch where
         the kernel takes it (the residual add's), else here in torch."""
         delta = take_deferred_delta(x)
-        in_kernel = delta is not None and residual is not None and on_triton(x) and FUSED_ELEMENTWISE
+        in_kernel = delta is not None and residual is not None and on_triton(x)
         if delta is not None and not in_kernel:
             x, delta = delta.add_to(x), None
-        if feeds is not None and on_triton(x) and (residual is None or FUSED_ELEMENTWISE):
+        if feeds is not None and on_triton(x):
             fuse_norm = getattr(feeds, "fuse_norm", None)
             fused = fuse_norm(x, residual, self.weight, self.eps, delta=delta) if fuse_norm is not None else None
             if fused is not None:
                 return fused
         if residual is not None:
-            if on_triton(x) and FUSED_ELEMENTWISE:  # one launch for the add and the norm (same roundings)
+            if on_triton(x):  # one launch for the add and the norm (same roundings)
                 return elementwise_kernels().fused_add_rms_norm(x, residual, self.weight, self.eps, delta=delta)
             h = x + residual
             return self.forward(h), h

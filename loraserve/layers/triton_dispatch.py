@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-# NOTE: a switch to tell the fused residual-add + RMSNorm and rotary + KV-write launches apart from the
-# separate ones when hunting a numerical difference on the GPU (LORASERVE_FUSED_ELEMENTWISE=0); read once
-FUSED_ELEMENTWISE = os.environ.get("LORASERVE_FUSED_ELEMENTWISE", "1") != "0"
 
 
 def on_triton(x: torch.Tensor) -> bool:

@@ -29,16 +29,13 @@ keep each fused kernel's arithmetic the same as its unfused twin's.
 On Hopper each of them (but the plain rotary) is a link of the decode step's PDL chain
 (``utils.pdl_chain``): launched while the kernel before it runs, it lets the next kernel launch at
 once and waits before touching memory (but for what the chain never writes, which a link may load before its
-wait: a pending LoRA delta's B and slot, and with ``NORM_WEIGHT_EARLY`` the norm's weight). The launch gaps between them are hidden, and a LoRA shrink
-after a norm or SiLU-and-mul loads its A while they run (session 7, H200, Llama-8B, 8 adapters: the
-8-adapter step 5.56 vs 5.98 ms with the chain off; the base step 4.79 vs 4.89).
+wait: a pending LoRA delta's B and slot, and the norm's weight). The launch gaps between them are hidden, and a
+LoRA shrink after a norm or SiLU-and-mul loads its A while they run.
 
 Imported only on CUDA (or under TRITON_INTERPRET=1 in tests): CPU installs have no triton.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -46,16 +43,14 @@ import triton.language as tl
 
 from loraserve.lora.ops.triton import row_delta
 from loraserve.lora.ops.triton.row_delta import delta_b_tile, delta_of, plus, plus_delta, shrunk_row
-from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, power_of_two_env, tl_dtype
+from loraserve.lora.ops.triton.utils import pdl_chain, pdl_link, tl_dtype
 
 # Elements of a norm's row a warp holds. Every norm kernel (plain, with a pending LoRA delta, with a shrink:
 # ``norm_shrink``) takes its warps from ``norm_warps``, so they lay the row out alike and sum its variance in one
-# order: the same bits. 128 (the default since session 27; LORASERVE_NORM_ROW_PER_WARP=256: half as many warps, the
-# count before): the kernels with a delta fit in registers at Qwen's 896 (``kernel_resources.py --norm-delta``: 255
-# registers and 112-120 spill bytes a thread at 4 warps, 80-172 and none at 8). Measured (session 27, H100,
-# Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs): step_trace 1.261 -> 1.245 ms alone; with qkv's delta in the
-# rotary launch 1.214 -> 1.217 (the same) and bench_e2e's replay 1.28 -> 1.26; the base step unchanged (1.004-1.007)
-NORM_ROW_PER_WARP = power_of_two_env("LORASERVE_NORM_ROW_PER_WARP", 128, 32, 4096)
+# order: the same bits. At 128 the kernels with a delta fit in registers at Qwen's 896 (``kernel_resources.py
+# --norm-delta``: 255 registers and 112-120 spill bytes a thread at 4 warps, 80-172 and none at 8). Measured against
+# 256 (H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs): step_trace 1.261 -> 1.245 ms; the base step unchanged
+NORM_ROW_PER_WARP = 128
 
 
 def norm_warps(block: int) -> int:
@@ -63,23 +58,10 @@ def norm_warps(block: int) -> int:
     return min(16, max(1, block // NORM_ROW_PER_WARP))
 
 
-# The norm kernels load their weight before their PDL wait (a weight: nothing in the chain writes it), where after
-# the wait it was loaded once the variance's sum was done, a round trip to memory on the path between the kernel
-# before and the one after. The same numbers either way. Measured (session 28, H100, Qwen2.5-0.5B, 32 tokens, 8 adapters,
-# CUDA graphs, step_trace): base 0.967 -> 0.952 ms, 8 adapters 1.195 -> 1.184; with the decode GEMMs' W prefetch
-# (triton_decode_linear.W_PREFETCH), 0.961 and 1.140 (the defaults then: 0.966 and 1.209): on by default since
-# (LORASERVE_NORM_WEIGHT_EARLY=0 turns it off)
-NORM_WEIGHT_EARLY = os.environ.get("LORASERVE_NORM_WEIGHT_EARLY", "1") != "0"
-
-
-@triton.jit
-def norm_weight_early(w_ptr, offs, mask, W_EARLY: tl.constexpr):
-    """The norm's weight for ``rms_norm_row``, loaded here (before the caller's PDL wait) where W_EARLY; else a
-    placeholder (``rms_norm_row`` loads it)."""
-    w = 0.0
-    if W_EARLY:
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    return w
+# NOTE: the norm kernels load their weight before their PDL wait (a weight: nothing in the chain writes it), not
+# once the variance's sum is done, which put a round trip to memory on the path between the kernel before and the
+# one after. The same numbers. Measured (H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs, step_trace): base
+# 0.967 -> 0.952 ms, 8 adapters 1.195 -> 1.184.
 
 
 @triton.jit
@@ -90,36 +72,31 @@ def rms_rstd(xf, N, eps):
 
 
 @triton.jit
-def rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY: tl.constexpr, rstd=None):
+def rms_norm_row(x, w, N, eps, rstd=None):
     """One row ``x`` in its storage dtype (masked lanes 0) -> weight * RMSNorm(x), in fp32 (the caller
-    rounds it to the output dtype): normalized in fp32, rounded to x's dtype, then times the weight
-    (``w_early`` from ``norm_weight_early`` where W_EARLY, else loaded here). ``rstd``: the row's
-    ``rms_rstd`` where the caller has it (None: computed here; the same bits either way)."""
+    rounds it to the output dtype): normalized in fp32, rounded to x's dtype, then times the weight ``w``
+    (the row's, loaded by the caller before its PDL wait). ``rstd``: the row's ``rms_rstd`` where the caller
+    has it (None: computed here; the same bits either way)."""
     xf = x.to(tl.float32)
     if rstd is None:
         rstd = rms_rstd(xf, N, eps)
     h = (xf * rstd).to(x.dtype)
-    if W_EARLY:
-        w = w_early
-    else:
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     return w.to(tl.float32) * h.to(tl.float32)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr, PDL_CHAIN: tl.constexpr,
-                     W_EARLY: tl.constexpr):  # fmt: skip
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr, PDL_CHAIN: tl.constexpr):
     # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait, but for its weight
     if PDL_CHAIN:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    w_early = norm_weight_early(w_ptr, offs, mask, W_EARLY)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     if PDL_CHAIN:
         tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    out = rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY)
+    out = rms_norm_row(x, w, N, eps)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -130,7 +107,7 @@ def _fused_add_rms_norm_kernel(
     # x's pending LoRA delta (row_delta: the row-parallel projection that wrote x left it to this launch)
     d_buf_ptr, d_b_ptr, d_slots_ptr, stride_dbs, stride_dsp, stride_dsm, stride_dss, D_P, D_R,
     HAS_DELTA: tl.constexpr,
-    D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr, W_EARLY: tl.constexpr,
+    D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr,
 ):
     # a link of the step's PDL chain (utils.pdl_chain): touches memory only after its wait, but for its weight
     # and the pending delta's B and slot (weights and the mapping, written before the forward)
@@ -139,7 +116,7 @@ def _fused_add_rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    w_early = norm_weight_early(w_ptr, offs, mask, W_EARLY)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     if HAS_DELTA:
         slot, bt = delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK_R)
     if PDL_CHAIN:
@@ -151,7 +128,7 @@ def _fused_add_rms_norm_kernel(
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(r_out_ptr.dtype.element_ty)  # torch's x + residual: fp32 add, one rounding
     tl.store(r_out_ptr + row * stride_ro + offs, h, mask=mask)
-    out = rms_norm_row(h, w_ptr, offs, mask, N, eps, w_early, W_EARLY)
+    out = rms_norm_row(h, w, N, eps)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -183,7 +160,7 @@ def fused_add_rms_norm(
         chain = pdl_chain(x.device)
         _fused_add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), N, eps,
-            BLOCK=block, PDL_CHAIN=chain, W_EARLY=NORM_WEIGHT_EARLY, num_warps=norm_warps(block), launch_pdl=chain,
+            BLOCK=block, PDL_CHAIN=chain, num_warps=norm_warps(block), launch_pdl=chain,
             **row_delta.kernel_args(delta, x2),
         )  # fmt: skip
     return out.view(x.shape), r_out.view(x.shape)
@@ -202,7 +179,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         chain = pdl_chain(x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, weight, out, x2.stride(0), out.stride(0), N, eps, BLOCK=block, PDL_CHAIN=chain,
-            W_EARLY=NORM_WEIGHT_EARLY, num_warps=norm_warps(block), launch_pdl=chain,
+            num_warps=norm_warps(block), launch_pdl=chain,
         )  # fmt: skip
     return out.view(*x.shape[:-1], N)
 

@@ -142,17 +142,6 @@ def _select_backend(device: torch.device):
     return None
 
 
-class FusedShrink(NamedTuple):
-    """What the launch that writes a LoRA'd layer's input needs to compute that layer's shrink of it too:
-    the layer's A stack (S, 1, R, K) (one slice), its ranks per slot (int32 on the device) and each
-    token's slot. Its result is ``lora_shrink(..., zero_fill=True)``'s buf, handed to the layer
-    (``keep_shrunk``): the layer runs no shrink launch."""
-
-    lora_a: torch.Tensor
-    ranks: torch.Tensor
-    token_slots: torch.Tensor
-
-
 def _delta_of_slots(s: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
     """(T, N) fp32 = B[slot] s per token, s (T, R) fp32 rounded to the products' dtype as the kernels round it;
     zeros for base tokens (slot -1), whatever their s rows hold. The torch path of a deferred delta's reader."""
@@ -190,7 +179,7 @@ class PendingDelta(NamedTuple):
 
 class PendingQKVDelta(NamedTuple):
     """qkv_proj's LoRA delta left to the attention's rotary + KV-cache launch (``rotary_kv_cache(delta=...)``,
-    ``row_delta.QKV_ENABLED``): x's shrink as the input norm computed it (buf (P, 3, T, R) fp32: q's, k's and v's
+    ``row_delta``): x's shrink as the input norm computed it (buf (P, 3, T, R) fp32: q's, k's and v's
     slices, every column of a LoRA token's row written, P planes to sum), the three B stacks (S, 1, N_i, R) and
     each token's slot (-1 = base). The projection's output is the base product only; that launch adds
     ``B_i[slot] s_i`` to each slice's columns, or, where it does not run, the model does (``add_to``)."""
@@ -214,30 +203,9 @@ class PunicaWrapper:
         self.ops = torch_ops  # the reference, also used for what the kernels do not cover (embeddings)
         self.kernels = _select_backend(device)  # chosen once, by device type
         self.backend = "triton" if self.kernels is not None else "torch"
-        # whether linear_with_lora can fuse at all: asked before a layer checks its slots' extras
-        self.fuses_linear = self.kernels is not None and self.kernels.fuses_linear
-
-    @property
-    def fuses_norm(self) -> bool:
-        """Whether ``norm_shrink`` can run at all (its kernel, on unless LORASERVE_NORM_SHRINK=0): asked first, so
-        that the norms of a step that cannot take it cost no more than the attribute lookup."""
-        return self.fuses_linear and self.kernels.fuses_norm
-
-    @property
-    def defers_delta(self) -> bool:
-        """Whether ``linear_deferring_delta`` can run at all (``row_delta``, on unless LORASERVE_DEFER_DELTA=0): asked first."""
-        return self.fuses_linear and self.kernels.defers_delta
-
-    @property
-    def gemm_shrinks(self) -> bool:
-        """Whether a deferred delta's shrink may be its GEMM's extra columns (``row_delta.GEMM_SHRINK``): asked
-        before the layer hands its ``gemm_shrink_rows``."""
-        return self.fuses_linear and self.kernels.gemm_shrinks
-
-    @property
-    def defers_qkv_delta(self) -> bool:
-        """Whether ``qkv_deferring_delta`` can run at all (``row_delta.QKV_ENABLED``): asked first."""
-        return self.fuses_linear and self.kernels.defers_qkv_delta
+        # whether the kernel paths that fuse the LoRA with the GEMM (linear_with_lora, norm_shrink and the
+        # deferred deltas) can run at all: asked before a layer checks its slots' extras
+        self.fuses_linear = self.kernels is not None
 
     @staticmethod
     def mapping() -> LoRAMapping | None:
@@ -310,38 +278,17 @@ class PunicaWrapper:
         ranks: list[int],
         then_silu_and_mul: bool = False,
         shrunk: torch.Tensor | None = None,
-        then_shrink: Callable[[torch.Tensor], FusedShrink | None] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> torch.Tensor | None:
         """The base GEMM and the LoRA delta in one go where a kernel does both (the GPU at decode sizes);
         None elsewhere: then the caller runs ``F.linear`` and ``apply_lora_linear``. ``then_silu_and_mul``
         (gate/up): silu(gate) * up of it, where a kernel path does that faster; None elsewhere.
-        ``shrunk``: x's shrink, already computed (``norm_shrink``), instead of a shrink launch.
-        ``then_shrink`` (with ``then_silu_and_mul``): the next projection's ``fused_shrink_operands``; where
-        the activation's launch computes that projection's shrink too, the result is (out, its shrink)."""
+        ``shrunk``: x's shrink, already computed (``norm_shrink``), instead of a shrink launch."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()
         return self.kernels.linear_with_lora(
             x, weight, bias, lora_a_stacked, lora_b_stacked, ranks, mapping.token_meta, mapping.token_slots,
-            then_silu_and_mul, shrunk, then_shrink,
-        )
-
-    def fused_shrink(
-        self,
-        x_like: torch.Tensor,
-        lora_a_stacked: tuple[torch.Tensor, ...],
-        lora_b_stacked: tuple[torch.Tensor, ...],
-        ranks: list[int],
-        weight: torch.Tensor,
-    ) -> FusedShrink | None:
-        """The operands for another launch to compute this one-slice layer's shrink of an input like x_like
-        (its shape, dtype and device), where the layer's ``linear_with_lora`` (GEMM ``weight``) would take
-        that shrink on this step; else None."""
-        if not self.fuses_linear:
-            return None
-        mapping = self.mapping()
-        return self.kernels.fused_shrink(
-            x_like, lora_a_stacked, lora_b_stacked, ranks, weight, mapping.token_meta, mapping.token_slots
+            then_silu_and_mul, shrunk,
         )
 
     def norm_shrink(
@@ -382,7 +329,7 @@ class PunicaWrapper:
     ) -> tuple[torch.Tensor, PendingDelta] | None:
         """(x W^T + b, the LoRA delta left to the output's reader) where a kernel path does that
         (``TritonLoRAOps.linear_deferring_delta``: a one-slice product at decode sizes); else None.
-        ``gemm_shrink_rows``: the layer's method of that name where ``gemm_shrinks``."""
+        ``gemm_shrink_rows``: the layer's method of that name."""
         if not self.fuses_linear:
             return None
         mapping = self.mapping()

@@ -65,8 +65,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(T, -1, self.head_dim))  # (T, Hq, D)
             k = self.k_norm(k.reshape(T, -1, self.head_dim))  # (T, Hk, D)
-        # rotary + cache write fused on the GPU; feeds: a LoRA'd o_proj may get its shrink from the attention launch
-        o = self.attn(q, k, v, positions, self.rotary_emb, feeds=self.o_proj, qkv_delta=delta)
+        o = self.attn(q, k, v, positions, self.rotary_emb, qkv_delta=delta)  # rotary + cache write fused on the GPU
         return self.o_proj(o)
 
 
@@ -80,8 +79,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        # feeds: a LoRA'd down may get its shrink from the activation's launch (as the norms feed qkv, gate/up)
-        return self.down_proj(self.gate_up_proj.forward_activated(h, self.act_fn, feeds=self.down_proj))
+        return self.down_proj(self.gate_up_proj.forward_activated(h, self.act_fn))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -110,11 +108,6 @@ class LlamaDecoderLayer(nn.Module):
             self.self_attn.qkv_proj.output_feeds_rotary = not self.self_attn.qk_norm
         if type(self.mlp) is LlamaMLP:
             self.mlp.down_proj.output_feeds_norm = True
-        if type(self.self_attn) is LlamaAttention and type(self.mlp) is LlamaMLP:
-            # the decode attention pulls the LoRA weights of the launches after it into L2 (l2_prefetch); looked up
-            # at each step: the LoRA wrappers replace these modules after construction
-            attn, mlp = self.self_attn, self.mlp
-            attn.attn.lora_prefetch_from = lambda: (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None

@@ -91,10 +91,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-{len(c[2])}sl-S{c[3]}-R{c[4]}-{c[5]}-{c[6]}")
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shrink_reduces", [True, False], ids=["one-plane", "planes"])
-def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces, monkeypatch):
-    """The shrink sums its split-K planes (the engine's default) or leaves them for the epilogue to sum.
-    The shrink's storage starts as NaN: what it does not write (rows of base tokens) must not matter."""
+def test_decode_linear_with_lora_matches_reference(case, bias, monkeypatch):
+    """The shrink sums its split-K planes into one. The shrink's storage starts as NaN: what it does not write
+    (rows of base tokens) must not matter."""
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
     monkeypatch.setattr(shrink_mod, "_new_buf", lambda shape, device: torch.full(shape, float("nan"), device=device))
@@ -116,8 +115,8 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces, m
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
     assert supports(x, w, outs, tiles) == (xdt != torch.float32)
 
-    buf = lora_shrink(x, As, meta, rank_dev, R, reduce=shrink_reduces, zero_fill=True)
-    assert (buf.shape[0] == 1) == (shrink_reduces or K <= 256), "the decode shrink splits K in blocks of 256"
+    buf = lora_shrink(x, As, meta, rank_dev, R, zero_fill=True)
+    assert buf.shape[0] == 1, "the shrink sums its splits"
     # every column of a token with a slot is written, zeros past its slot's rank (the epilogue loads no
     # rank); rows of base tokens are not (NaN): the epilogue must drop them
     for t, s in enumerate(slots):
@@ -149,18 +148,19 @@ def test_decode_linear_with_lora_matches_reference(case, bias, shrink_reduces, m
 
 @pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
 @pytest.mark.parametrize("n_lora_tokens", [0, 5])
-@pytest.mark.parametrize("columns", [128, 32], ids=["one-mma", "mma-per-2-slots"])
-def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K, columns, monkeypatch):
+@pytest.mark.parametrize("R", [16, 64], ids=["one-mma", "mma-per-2-slots"])
+def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K, R):
     """TritonLoRAOps.linear_with_lora (shrink, then the GEMM with the delta in its epilogue) equals the
     unfused path (GEMM, then add_lora_linear); a batch of base tokens only gets the base GEMM's bits.
-    The epilogue's MMA over every slot at once, or over 2 slots at a time (its knob)."""
+    The epilogue's MMA over every slot at once (4 slots of rank 16: 64 columns), or over 2 slots at a time
+    (rank 64: MMA_COLUMNS 128 holds two)."""
     from loraserve.lora.ops.triton import expand_block
 
-    monkeypatch.setattr(expand_block, "MMA_COLUMNS", columns)
-    g = torch.Generator().manual_seed(n_lora_tokens + K)
-    M, outs, S, R = 12, (128, 64, 64), 4, 16
+    g = torch.Generator().manual_seed(n_lora_tokens + K + R)
+    M, outs, S = 12, (128, 64, 64), 4
+    assert expand_block.slots_per_chunk(S, R) == (4 if R == 16 else 2)
     assert default_tiles(M, sum(outs), K, torch.float16).split_k == (4 if K == 1024 else 1)
-    ranks = [16, 8, 16, 4]
+    ranks = [R, R // 2, R, 4]
     x = torch.randn(M, K, generator=g).to(DEV, torch.float16)
     w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
     As, Bs = lora_stacks(g, S, R, K, outs, ranks, torch.float32)
@@ -177,29 +177,26 @@ def test_linear_with_lora_matches_the_unfused_path(n_lora_tokens, K, columns, mo
 
 
 @pytest.mark.parametrize("K", [256, 1024], ids=["one-split", "gemm-split-k-4"])
-@pytest.mark.parametrize("fuse", [False, True], ids=["shrink-slice-a-program", "shrink-all-slices"])
-@pytest.mark.parametrize("ahead", [0, 1, 64], ids=["no-b-pull", "b-pull-1-step-ahead", "b-pull-at-start"])
-def test_linear_with_lora_knobs_keep_the_numbers(K, fuse, ahead, monkeypatch):
-    """The decode shrink computing every slice in one program (lora_shrink.DECODE_FUSE_SLICES) and the
-    GEMM pulling its epilogue's B into L2 some K steps before its loop ends (PREFETCH_B_AHEAD; on the
-    GPU only, the interpreter runs no inline PTX; 64 steps: at the loop's start) give what the unfused
-    path gives. The reference's shrink computes one slice a program, whatever the knob."""
+@pytest.mark.parametrize("wdt", [torch.float32, torch.float16], ids=["fp32-lora", "fp16-lora"])
+def test_linear_with_lora_of_either_lora_dtype_keeps_the_numbers(K, wdt):
+    """Half-precision LoRA weights take the decode shrink computing every slice in one program and the GEMM
+    pulling its epilogue's B into L2 some K steps before its loop ends (on the GPU only: the interpreter runs no
+    inline PTX); fp32 ones neither. Either way the fused path gives what the unfused path gives."""
     from loraserve.layers import triton_decode_linear as dl
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
-    monkeypatch.setattr(shrink_mod, "DECODE_FUSE_SLICES", fuse)
-    monkeypatch.setattr(dl, "PREFETCH_B_AHEAD", ahead)
-    g = torch.Generator().manual_seed(K + ahead)
+    assert shrink_mod._fuse_decode(wdt) == (wdt != torch.float32)
+    assert (dl.prefetch_ahead(wdt) > 0) == (wdt != torch.float32)
+    g = torch.Generator().manual_seed(K)
     M, outs, S, R = 12, (128, 64, 64), 4, 16
     ranks = [16, 0, 16, 4]
     x = torch.randn(M, K, generator=g).to(DEV, torch.float16)
     w = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
-    As, Bs = lora_stacks(g, S, R, K, outs, ranks, torch.float32)
+    As, Bs = lora_stacks(g, S, R, K, outs, ranks, wdt)
     slots = [t % S if t < 9 else -1 for t in range(M)]
     mapping, meta = mapping_of(slots)
     ops = TritonLoRAOps(DEV)
     y = ops.linear_with_lora(x, w, None, As, Bs, ranks, meta, mapping.token_slots)
-    monkeypatch.setattr(shrink_mod, "DECODE_FUSE_SLICES", False)
     ref = decode_linear(x, w)
     ops.add_lora_linear(ref, x, As, Bs, ranks, meta)
     assert rel_err(y, ref) < 1e-2
@@ -208,33 +205,15 @@ def test_linear_with_lora_knobs_keep_the_numbers(K, fuse, ahead, monkeypatch):
     assert not torch.equal(y, decode_linear(x, w))
 
 
-def test_decode_knobs_follow_the_lora_dtype_unless_forced(monkeypatch):
-    """By default half-precision LoRA weights take both decode knobs and fp32 ones neither; the env
-    variables force them; bad values are refused with a message naming the variable."""
+def test_decode_choices_follow_the_lora_dtype():
+    """Half-precision LoRA weights: the epilogue's B pulled into L2 PREFETCH_B_AHEAD steps before the loop's end and
+    the decode shrink computing every slice in one program; fp32 ones neither."""
     from loraserve.layers import triton_decode_linear as dl
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
-    monkeypatch.setattr(dl, "PREFETCH_B_AHEAD", None)
-    monkeypatch.setattr(shrink_mod, "DECODE_FUSE_SLICES", None)
-    assert dl.prefetch_ahead(torch.bfloat16) == dl.prefetch_ahead(torch.float16) == 4
+    assert dl.prefetch_ahead(torch.bfloat16) == dl.prefetch_ahead(torch.float16) == dl.PREFETCH_B_AHEAD == 4
     assert dl.prefetch_ahead(torch.float32) == 0
     assert shrink_mod._fuse_decode(torch.bfloat16) and not shrink_mod._fuse_decode(torch.float32)
-    monkeypatch.setattr(dl, "PREFETCH_B_AHEAD", 0)
-    monkeypatch.setattr(shrink_mod, "DECODE_FUSE_SLICES", True)
-    assert dl.prefetch_ahead(torch.bfloat16) == 0 and shrink_mod._fuse_decode(torch.float32)
-    monkeypatch.setenv("LORASERVE_SHRINK_FUSE_DECODE", "0")
-    assert shrink_mod._flag_env("LORASERVE_SHRINK_FUSE_DECODE") is False
-    monkeypatch.delenv("LORASERVE_SHRINK_FUSE_DECODE")
-    assert shrink_mod._flag_env("LORASERVE_SHRINK_FUSE_DECODE") is None
-    assert shrink_mod._decode_block_k("256,1024") == (256, 1024)
-    monkeypatch.setenv("LORASERVE_SHRINK_FUSE_DECODE", "yes")
-    with pytest.raises(ValueError, match="LORASERVE_SHRINK_FUSE_DECODE"):
-        shrink_mod._flag_env("LORASERVE_SHRINK_FUSE_DECODE")
-    with pytest.raises(ValueError, match="LORASERVE_SHRINK_DECODE_BLOCK_K"):
-        shrink_mod._decode_block_k("256")
-    monkeypatch.setenv("LORASERVE_PREFETCH_B_AHEAD", "four")
-    with pytest.raises(ValueError, match="LORASERVE_PREFETCH_B_AHEAD"):
-        dl._env_int("LORASERVE_PREFETCH_B_AHEAD")
 
 
 @pytest.mark.parametrize("M", [1, 16, 17, 32])
@@ -277,41 +256,11 @@ def test_supports_refuses_what_it_cannot_do():
     assert not supports(x, w.t().contiguous().t())  # W not contiguous along K
 
 
-def test_power_of_two_env_names_the_knob_and_the_fix(monkeypatch):
-    from loraserve.lora.ops.triton.utils import power_of_two_env
-
-    monkeypatch.delenv("LORASERVE_TEST_KNOB", raising=False)
-    assert power_of_two_env("LORASERVE_TEST_KNOB", 64, 16, 256) == 64
-    monkeypatch.setenv("LORASERVE_TEST_KNOB", "128")
-    assert power_of_two_env("LORASERVE_TEST_KNOB", 64, 16, 256) == 128
-    for bad in ("100", "0", "512", "8", "x", "-64", ""):
-        monkeypatch.setenv("LORASERVE_TEST_KNOB", bad)
-        with pytest.raises(ValueError, match="LORASERVE_TEST_KNOB=.*power of two from 16 to 256"):
-            power_of_two_env("LORASERVE_TEST_KNOB", 64, 16, 256)
-
-
-def test_register_cap_env_names_the_knob_and_the_fix(monkeypatch):
-    from loraserve.lora.ops.triton.utils import register_cap_env
-
-    monkeypatch.delenv("LORASERVE_TEST_CAP", raising=False)
-    assert register_cap_env("LORASERVE_TEST_CAP") == 0, "unset: no cap"
-    for good in ("0", "192", "24", "248"):
-        monkeypatch.setenv("LORASERVE_TEST_CAP", good)
-        assert register_cap_env("LORASERVE_TEST_CAP") == int(good)
-    for bad in ("190", "16", "256", "x", "-8", ""):
-        monkeypatch.setenv("LORASERVE_TEST_CAP", bad)
-        with pytest.raises(ValueError, match="LORASERVE_TEST_CAP=.*multiple of 8 from 24 to 255"):
-            register_cap_env("LORASERVE_TEST_CAP")
-
-
 def test_w_prefetch_lines_cover_the_k_range_within_its_bounds(monkeypatch):
-    """W_PREFETCH's lines: none where it is off and under the interpreter, none past the size cap, at most 32 a row."""
+    """W's prefetch lines: none under the interpreter, none past the size cap, at most 32 a row."""
     from loraserve.layers import triton_decode_linear as dl
 
     w = torch.empty(1152, 896, dtype=torch.bfloat16)
-    monkeypatch.setattr(dl, "W_PREFETCH", False)
-    assert dl.w_prefetch_lines(w, 0, 896) == 0, "off"
-    monkeypatch.setattr(dl, "W_PREFETCH", True)
     monkeypatch.setattr(dl, "interpreted", lambda: False)
     assert dl.w_prefetch_lines(w, 0, 896) == 16, "896 bf16 = 14 lines of 128 bytes, rounded up to 16"
     assert dl.w_prefetch_lines(w, 0, 4096) == 32, "at most 32"
@@ -321,19 +270,18 @@ def test_w_prefetch_lines_cover_the_k_range_within_its_bounds(monkeypatch):
     assert dl.w_prefetch_lines(w, 0, 896) == 0, "inline PTX: not under the interpreter"
 
 
-def test_one_wave_tiles_fit_the_sms_and_give_the_same_product(monkeypatch):
-    """LORASERVE_DECODE_ONE_WAVE: a product of more 64-row blocks than SMs (Qwen2.5-0.5B's gate/up, 2 x 4864 rows) runs
-    128-row blocks, at most one program an SM, with the product of the default tiles; narrower products keep theirs."""
+def test_one_wave_tiles_fit_the_sms_and_give_the_same_product():
+    """A product of more 64-row blocks than SMs (Qwen2.5-0.5B's gate/up, 2 x 4864 rows) runs 128-row blocks, at most
+    one program an SM, with the product of the 64-row tiles (which slices that are not multiples of 128 rows keep);
+    narrower products keep theirs."""
     from loraserve.layers import triton_decode_linear as dl
 
     N, K = 2 * 4864, 256
-    monkeypatch.setattr(dl, "ONE_WAVE", False)
-    default, qkv = dl.default_tiles(32, N, K, torch.float16), dl.default_tiles(32, 1152, K, torch.float16)
-    monkeypatch.setattr(dl, "ONE_WAVE", True)
     one = dl.default_tiles(32, N, K, torch.float16)
-    assert -(-N // default.block_n) * default.split_k > dl.sm_count(), "two waves with ONE_WAVE off"
-    assert -(-N // one.block_n) * one.split_k <= dl.sm_count(), one
-    assert dl.default_tiles(32, 1152, K, torch.float16) == qkv, "a product that fits one wave keeps its tiles"
+    default = dl.default_tiles(32, N, K, torch.float16, (4800, 4928))  # a slice of 37.5 128-row blocks
+    assert default.block_n == 64 and -(-N // default.block_n) * default.split_k > dl.sm_count(), "two waves"
+    assert one.block_n == 128 and -(-N // one.block_n) * one.split_k <= dl.sm_count(), one
+    assert dl.default_tiles(32, 1152, K, torch.float16).block_n == 64, "a product that fits one wave keeps its tiles"
     assert dl.default_tiles(32, N, K, torch.float16, (4864, 4864)) == one, "slices of 38 128-row blocks each"
     assert dl.default_tiles(32, 9600, K, torch.float16, (4800, 4800)).block_n == 64, "a slice of 37.5 keeps 64 rows"
     g = torch.Generator().manual_seed(4)
@@ -347,8 +295,9 @@ def test_one_wave_tiles_fit_the_sms_and_give_the_same_product(monkeypatch):
 @pytest.mark.skipif(DEV.type != "cuda", reason="the prefetch is inline PTX: off under the interpreter")
 @pytest.mark.parametrize("N, K", [(1152, 896), (2 * 4864, 896), (896, 4864)], ids=["qkv", "gate_up", "down"])
 def test_w_prefetch_before_the_wait_gives_the_same_product(N, K, monkeypatch):
-    """LORASERVE_DECODE_W_PREFETCH: a link of the PDL chain pulls its rows of W into L2 before its wait (Qwen2.5-0.5B's
-    shapes: split-K, one wave, and the trigger after the wait); its product is the plain launch's, bit for bit."""
+    """A link of the PDL chain pulls its rows of W into L2 before its wait (Qwen2.5-0.5B's shapes: split-K, one wave,
+    and the trigger after the wait); its product is, bit for bit, that of a launch whose W passes the size cap
+    (``W_PREFETCH_MAX_BYTES``, set to 0 here: no prefetch)."""
     from loraserve.layers import triton_decode_linear as dl
     from loraserve.lora.ops.triton.utils import pdl_chain
 
@@ -357,12 +306,11 @@ def test_w_prefetch_before_the_wait_gives_the_same_product(N, K, monkeypatch):
     g = torch.Generator().manual_seed(N + K)
     x = torch.randn(32, K, generator=g).to(DEV, torch.bfloat16)
     w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, torch.bfloat16)
-    monkeypatch.setattr(dl, "W_PREFETCH", True)
     assert dl.w_prefetch_lines(w, 0, K) > 0, "the prefetch is taken at these shapes"
-    got = {}
-    for pf in (False, True):
-        monkeypatch.setattr(dl, "W_PREFETCH", pf)
-        got[pf] = (decode_linear(x, w), decode_linear(x, w, trigger_after_wait=True))
+    got = {True: (decode_linear(x, w), decode_linear(x, w, trigger_after_wait=True))}
+    monkeypatch.setattr(dl, "W_PREFETCH_MAX_BYTES", 0)
+    assert dl.w_prefetch_lines(w, 0, K) == 0
+    got[False] = (decode_linear(x, w), decode_linear(x, w, trigger_after_wait=True))
     for plain, pulled in zip(got[False], got[True]):
         assert torch.equal(plain, pulled), "the prefetch changed the product"
     assert rel_err(got[True][0], F.linear(x.float(), w.float())) < 1e-2

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import loraserve.layers.activation as activation_mod  # noqa: E402
 import loraserve.layers.attention as attention_mod  # noqa: E402
+import loraserve.layers.linear as linear_mod  # noqa: E402
 import loraserve.layers.norm as norm_mod  # noqa: E402
 import loraserve.layers.rotary as rotary_mod  # noqa: E402
 import loraserve.layers.triton_elementwise as tew  # noqa: E402
@@ -102,9 +103,10 @@ def run(model: torch.nn.Module, device: torch.device) -> tuple[list[torch.Tensor
 
 
 def take_gpu_path(monkeypatch) -> None:
-    """Make DEV's tensors take the Triton kernels: CUDA ones do already; on the CPU patch the dispatch."""
+    """Make DEV's tensors take the Triton kernels: CUDA ones do already; on the CPU patch the dispatch (the base
+    linear layers' too, which take the decode GEMM in a CUDA-graph forward only)."""
     if DEV.type == "cpu":
-        for mod in (norm_mod, rotary_mod, activation_mod):
+        for mod in (norm_mod, rotary_mod, activation_mod, linear_mod):
             monkeypatch.setattr(mod, "on_triton", lambda x: True)
         monkeypatch.setattr(attention_mod, "_select_kernel", lambda device: paged_attention)
 

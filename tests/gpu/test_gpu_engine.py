@@ -132,54 +132,33 @@ def test_cuda_graphs_bf16_matches_peft(models):
     assert max(diffs) <= 2e-2, diffs
 
 
-def test_norm_shrink_under_graphs_matches_peft(models_kv64, monkeypatch):
-    """The default path where the decoder's norms compute the shrink of qkv and gate/up (LORASERVE_NORM_SHRINK,
-    ``norm_shrink``): taken under CUDA graphs with every adapter in the batch, bf16 logprobs within 2e-2 of
-    HF + PEFT's, and the same greedy tokens as the separate shrink's path (all but one sequence: the shrink's
-    fp32 sums run in another order)."""
-    from loraserve.lora.ops.triton import norm_shrink as ns
-
-    _, separate = serve(models_kv64, "bfloat16", graphs=True)
-    calls = []
-    real = ns.norm_shrink
-    monkeypatch.setattr(ns, "ENABLED", True)
-    monkeypatch.setattr(ns, "norm_shrink", lambda *a, **k: calls.append(len(a[4])) or real(*a, **k))
-    _, outs = serve(models_kv64, "bfloat16", graphs=True)
-    assert 2 in calls and 3 in calls, f"gate/up (2 slices) and qkv (3) took the fused norm: {calls}"
-    diffs = hf_diffs(models_kv64, outs, torch.bfloat16)
-    assert max(diffs) <= 2e-2, diffs
-    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, separate))
-    assert same >= len(outs) - 1, f"{same}/{len(outs)} sequences as with the shrink launch"
-
-
-@pytest.mark.parametrize("in_k", [False, True], ids=["gate-up-default", "gate-up-in-k"])
-def test_norm_shrink_fold_under_graphs_matches_peft(models_kv64, monkeypatch, in_k):
-    """The norms' shrink from the row before its normalization (LORASERVE_NORM_SHRINK_FOLD, ``norm_shrink.FOLD``),
-    with gate/up's delta in the gated launch or as more K of its GEMM: the fused norm runs for qkv and gate/up (the
-    fold's own numbers: test_norm_shrink's unit test) under CUDA graphs with every adapter in the batch, and bf16
-    logprobs are within 2e-2 of HF + PEFT's."""
+@pytest.mark.parametrize("in_k", [False, True], ids=["gate-up-gated", "gate-up-in-k"])
+def test_norm_shrink_under_graphs_matches_peft(models_kv64, monkeypatch, in_k):
+    """The decoder's norms compute the shrink of qkv and gate/up (``norm_shrink``, from the row before its
+    normalization: the fold's own numbers are test_norm_shrink's unit test), with gate/up's delta as more K of its
+    GEMM (the default where it fits) or in the gated SiLU-and-mul (``delta_in_k.MAX_SLOT_COLUMNS`` 0: what more slot
+    columns than measured take): the fused norm runs for qkv and gate/up under CUDA graphs with every adapter in the
+    batch, and bf16 logprobs are within 2e-2 of HF + PEFT's."""
     from loraserve.lora.ops import delta_in_k
     from loraserve.lora.ops.triton import norm_shrink as ns
 
-    monkeypatch.setattr(delta_in_k, "ENABLED", in_k)
-    monkeypatch.setattr(ns, "FOLD", True)
+    if not in_k:
+        monkeypatch.setattr(delta_in_k, "MAX_SLOT_COLUMNS", 0)
     calls = []
     real = ns.norm_shrink
-    monkeypatch.setattr(ns, "norm_shrink", lambda *a, **k: calls.append(len(a[4])) or real(*a, **k))
+    monkeypatch.setattr(ns, "norm_shrink", lambda *a, **k: calls.append((len(a[4]), k.get("in_k", False))) or real(*a, **k))
     _, outs = serve(models_kv64, "bfloat16", graphs=True)
-    assert 2 in calls and 3 in calls, f"gate/up (2 slices) and qkv (3) took the fused norm: {calls}"
+    assert (3, False) in calls and (2, in_k) in calls, f"gate/up (2 slices) and qkv (3) took the fused norm: {calls}"
     diffs = hf_diffs(models_kv64, outs, torch.bfloat16)
     assert max(diffs) <= 2e-2, diffs
 
 
 def test_delta_in_k_under_graphs_matches_peft(models_kv64, monkeypatch):
-    """gate/up's delta as more K of its GEMM (LORASERVE_DELTA_IN_K, ``delta_in_k``): the wider W built when the
-    wrappers are (the base weight its view), the norm's wider output taken by the GEMM under CUDA graphs with
-    every adapter in the batch, and bf16 logprobs within 2e-2 of HF + PEFT's."""
+    """gate/up's delta as more K of its GEMM (``delta_in_k``): the wider W built when the wrappers are (the base
+    weight its view), the norm's wider output taken by the GEMM under CUDA graphs with every adapter in the batch,
+    and bf16 logprobs within 2e-2 of HF + PEFT's."""
     from loraserve.layers import triton_decode_linear as dl
-    from loraserve.lora.ops import delta_in_k
 
-    monkeypatch.setattr(delta_in_k, "ENABLED", True)
     widths = []
     real = dl.decode_linear
 

@@ -3,12 +3,14 @@ against the kernels it replaces, on random data.
 
 - the norm's outputs are bit-equal to ``fused_add_rms_norm`` / ``rms_norm``'s (the same jit helper);
 - buf equals out @ A_i[slot]^T per token with a slot, in float64 from the rounded norm output (the
-  products of half operands are exact in fp32; only the fp32 sum's order differs): 1e-5 relative;
-  columns past a slot's rank are exactly zero though A holds garbage there;
+  products of half operands are exact in fp32; only the fp32 sum's order differs): 1e-5 relative, for rows past
+  ``FOLD_MAX_BLOCK``; up to it, the same of the unrounded norm (the fold); columns past a slot's rank are
+  exactly zero though A holds garbage there;
 - through ``TritonLoRAOps.linear_with_lora(..., shrunk=buf)`` (the GEMM with the delta in its epilogue,
   and the gated SiLU-and-mul path) the outputs equal those of the path with its own shrink launch;
-- a decoder norm that ``feeds`` a LoRA'd projection hands it the buf, and the projection's output equals
-  the unfused path's.
+- a tiny LoRA'd Llama through the Triton LoRA path: its norms hand qkv and gate/up their shrink, no shrink
+  launch is left, o's and down's deltas go to the norms after them and qkv's to the rotary launch, and the logits
+  equal those of the GEMMs adding their own deltas.
 
 Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (fp16 there: the interpreter has no bf16).
 """
@@ -58,7 +60,9 @@ def random_case(T, K, n, S, R, xdt, adt, seed):
 @pytest.mark.parametrize("residual", [True, False], ids=["add-norm", "norm"])
 @pytest.mark.parametrize("dtypes", [(x, a) for x in HALF for a in HALF], ids=lambda d: f"{d[0]}-A{d[1]}"[6:])
 def test_norm_shrink_matches_the_norm_and_the_shrink(case, residual, dtypes, monkeypatch):
-    monkeypatch.setattr(ns, "FOLD", False)  # the default's shrink of the rounded output (FOLD: the test after)
+    """The shrink of the rounded norm output, which rows past FOLD_MAX_BLOCK take (set to 0 here: every row; the
+    fold, the test after)."""
+    monkeypatch.setattr(ns, "FOLD_MAX_BLOCK", 0)
     T, K, n, S, R = case
     xdt, adt = dtypes
     x, res, w, As, _, ranks, slots = random_case(T, K, n, S, R, xdt, adt, seed=T + K + n)
@@ -90,21 +94,22 @@ def test_norm_shrink_matches_the_norm_and_the_shrink(case, residual, dtypes, mon
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-K{c[1]}-{c[2]}sl-S{c[3]}-R{c[4]}")
 @pytest.mark.parametrize("residual", [True, False], ids=["add-norm", "norm"])
 def test_the_folded_shrink_is_the_shrink_of_the_unrounded_norm(case, residual, monkeypatch):
-    """``FOLD``: the norm's outputs are the same bits as without it; where the row's block is at most
-    ``FOLD_MAX_BLOCK``, buf is (x' * rstd * w) @ A_i[slot]^T in float64 from the row after the add, x', unrounded
-    (1e-5 relative), which the default's shrink of the rounded output misses by more; past it, the default's bits."""
+    """The fold: the norm's outputs are the same bits as without it (``FOLD_MAX_BLOCK`` 0: every row unfolded);
+    where the row's block is at most ``FOLD_MAX_BLOCK``, buf is (x' * rstd * w) @ A_i[slot]^T in float64 from the
+    row after the add, x', unrounded (1e-5 relative), which the shrink of the rounded output misses by more; past
+    it, the unfolded bits."""
     T, K, n, S, R = case
     x, res, w, As, _, ranks, slots = random_case(T, K, n, S, R, HALF[-1], torch.float16, seed=T + K + n)
     mapping, _ = mapping_of(slots)
     rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
-    got = {}
-    for fold in (False, True):
-        monkeypatch.setattr(ns, "FOLD", fold)
-        got[fold] = ns.norm_shrink(x, res if residual else None, w, 1e-6, As, mapping.token_slots, rank_dev)
+    got = {True: ns.norm_shrink(x, res if residual else None, w, 1e-6, As, mapping.token_slots, rank_dev)}
+    fold_max = ns.FOLD_MAX_BLOCK
+    monkeypatch.setattr(ns, "FOLD_MAX_BLOCK", 0)
+    got[False] = ns.norm_shrink(x, res if residual else None, w, 1e-6, As, mapping.token_slots, rank_dev)
     (out, new_res, buf), (out_f, new_res_f, buf_f) = got[False], got[True]
     assert torch.equal(out_f, out) and (new_res_f is None if new_res is None else torch.equal(new_res_f, new_res))
-    if 1 << (K - 1).bit_length() > ns.FOLD_MAX_BLOCK:  # the row's block
-        assert torch.equal(buf_f, buf), "past FOLD_MAX_BLOCK the default's shrink runs"
+    if 1 << (K - 1).bit_length() > fold_max:  # the row's block
+        assert torch.equal(buf_f, buf), "past FOLD_MAX_BLOCK the unfolded shrink runs"
         return
     xr = (new_res if residual else x).double().cpu()
     h = xr / torch.sqrt((xr * xr).mean(dim=1, keepdim=True) + 1e-6) * w.double().cpu()
@@ -119,7 +124,7 @@ def test_the_folded_shrink_is_the_shrink_of_the_unrounded_norm(case, residual, m
             err = (buf_f[0, i, t, :r].cpu().double() - want).abs().max() / want.abs().max()
             assert err < 1e-5, f"slice {i} token {t}: rel err {err}"
             worst_default = max(worst_default, ((buf[0, i, t, :r].cpu().double() - want).abs().max() / want.abs().max()).item())
-    assert worst_default > 1e-5, "the default's shrink (of the rounded output) differs from the unrounded one's"
+    assert worst_default > 1e-5, "the unfolded shrink (of the rounded output) differs from the unrounded one's"
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"T{c[0]}-K{c[1]}-{c[2]}sl-S{c[3]}-R{c[4]}")
@@ -140,28 +145,6 @@ def test_the_shrink_as_more_columns_of_the_output(case):
         if s >= 0:
             want[t, :, s] = buf[0, :, t].cpu().to(out.dtype)
     assert torch.equal(wide[:, K:].cpu(), want.reshape(T, -1))
-
-
-def test_the_weight_loaded_before_the_wait_gives_the_same_bits(monkeypatch):
-    """LORASERVE_NORM_WEIGHT_EARLY: the norm kernels (plain, add + norm, norm_shrink) load their weight before their PDL
-    wait; their outputs are those of the weight loaded after it, bit for bit."""
-    T, K, n, S, R = CASES[0]
-    x, res, w, As, _, ranks, slots = random_case(T, K, n, S, R, HALF[-1], torch.float16, seed=11)
-    mapping, _ = mapping_of(slots)
-    rank_dev = torch.tensor(ranks, dtype=torch.int32, device=DEV)
-    got = {}
-    for early in (False, True):
-        monkeypatch.setattr(tew, "NORM_WEIGHT_EARLY", early)
-        got[early] = (
-            tew.rms_norm(x, w, 1e-6),
-            *tew.fused_add_rms_norm(x, res, w, 1e-6),
-            *ns.norm_shrink(x, res, w, 1e-6, As, mapping.token_slots, rank_dev),
-        )
-    lora_rows = torch.tensor([s >= 0 for s in slots], device=DEV)
-    got = {e: (*outs[:5], outs[5][:, :, lora_rows]) for e, outs in got.items()}  # buf: base rows are unwritten
-    for i, (late, early) in enumerate(zip(got[False], got[True])):
-        assert torch.equal(late, early), f"output {i}: the weight's load moved, the bits changed"
-    assert not torch.equal(got[True][0], tew.rms_norm(x, torch.ones_like(w), 1e-6)), "the weight is used"
 
 
 def test_supports_refuses_what_it_cannot_do():
@@ -190,7 +173,6 @@ def test_linear_with_lora_takes_the_norms_shrink(gated, monkeypatch):
     weight = (torch.randn(sum(outs), K, generator=g) * 0.05).to(DEV, torch.float16)
     mapping, meta = mapping_of(slots)
     ops = TritonLoRAOps(DEV)
-    monkeypatch.setattr(ns, "ENABLED", True)
     fused = ops.norm_shrink(x, res, w, 1e-6, As, Bs, ranks, weight, meta, mapping.token_slots)
     assert fused is not None, "decode sizes with fp16 A take the fused norm"
     out, _, buf = fused
@@ -208,54 +190,13 @@ def test_linear_with_lora_takes_the_norms_shrink(gated, monkeypatch):
         assert not torch.equal(y[lora_rows], base[lora_rows]), "the delta was added"
 
 
-def test_gated_early_delta_reads_the_norms_shrink_before_its_wait(monkeypatch):
-    """The norm's shrink, gate/up's GEMM, then the gated SiLU-and-mul with the delta computed before its PDL wait
-    (``gated_lora.EARLY_DELTA``: the GEMM lets it launch only after the norm finished, ``trigger_after_wait``,
-    and it reads the norm's buf at once, ``s_ready``): bit-equal to the same launches with buf read after the
-    wait. On the GPU the chain runs under PDL (on the CPU the launches are sequential: the numbers only). The
-    norm's buf is allocated where NaN was just freed, so a read of buf before the norm wrote it would show."""
-    from loraserve.lora.ops.triton import gated_lora
-
-    monkeypatch.setattr(gated_lora, "prefer", lambda N, K: True)
-    monkeypatch.setattr(ns, "ENABLED", True)
-    T, K, S, R = 32, 896, 8, 16
-    D = 4864 if DEV.type == "cuda" else 256  # Qwen2.5-0.5B's gate/up on the GPU
-    x, res, w, As, _, ranks, slots = random_case(T, K, 2, S, R, torch.float16, torch.float16, seed=11)
-    g = torch.Generator().manual_seed(12)
-    _, Bs = lora_stacks(g, S, R, K, (D, D), ranks, torch.float16)
-    weight = (torch.randn(2 * D, K, generator=g) * 0.05).to(DEV, torch.float16)
-    mapping, meta = mapping_of(slots)
-    ops = TritonLoRAOps(DEV)
-    calls = []
-    real = gated_lora.silu_and_mul_lora
-    monkeypatch.setattr(gated_lora, "silu_and_mul_lora", lambda *a, **k: calls.append(k["s_ready"]) or real(*a, **k))
-
-    def chain():
-        junk = [torch.full((1, 2, T, R), float("nan"), device=DEV) for _ in range(32)]  # freed, then reused
-        del junk
-        out, _, buf = ops.norm_shrink(x, res, w, 1e-6, As, Bs, ranks, weight, meta, mapping.token_slots)
-        return ops.linear_with_lora(out, weight, None, As, Bs, ranks, meta, mapping.token_slots, True, shrunk=buf)
-
-    monkeypatch.setattr(gated_lora, "EARLY_DELTA", False)
-    want = chain()
-    monkeypatch.setattr(gated_lora, "EARLY_DELTA", True)
-    for _ in range(3):
-        got = chain()
-        assert torch.equal(got, want), "the early delta must be the same bits"
-    assert calls == [False, True, True, True], calls
-    assert not torch.isnan(want).any()
-
-
-def test_norm_shrink_is_off_unless_enabled_or_unsupported(monkeypatch):
+def test_norm_shrink_declines_what_it_does_not_support():
     T, K, S, R = 4, 256, 2, 16
     x, res, w, As, Bs, ranks, slots = random_case(T, K, 1, S, R, torch.float16, torch.float16, seed=3)
     weight = torch.zeros(64, K, dtype=torch.float16, device=DEV)
     mapping, meta = mapping_of(slots)
     ops = TritonLoRAOps(DEV)
     args = (ranks, weight, meta, mapping.token_slots)
-    monkeypatch.setattr(ns, "ENABLED", False)
-    assert ops.norm_shrink(x, res, w, 1e-6, As, Bs, *args) is None
-    monkeypatch.setattr(ns, "ENABLED", True)
     assert ops.norm_shrink(x, res, w, 1e-6, As, Bs, *args) is not None
     As32 = tuple(a.float() for a in As)
     assert ops.norm_shrink(x, res, w, 1e-6, As32, Bs, *args) is None, "fp32 A: the separate shrink"
@@ -307,10 +248,28 @@ def _lora_model(seed: int):
     return model, mapping, fdp
 
 
-def _run_lora_steps(model, mapping, fdp) -> list[torch.Tensor]:
+def _run_lora_steps(model, mapping, fdp, epilogues: bool = False) -> list[torch.Tensor]:
+    """The logits of fdp.STEPS. ``epilogues``: the model marks no projection's output as read by the norm after it or
+    by the rotary launch (``output_feeds_norm`` / ``output_feeds_rotary``, as a model with q/k norms or MoE blocks
+    does), so that every LoRA'd GEMM adds its own delta in its epilogue (or the gated SiLU-and-mul): the reference
+    of the deferred deltas. Forwards marked as a CUDA graph's (run eagerly): the base GEMMs (lm_head) take the decode
+    GEMM there too."""
     from loraserve.engine.model_runner import attention_layers
     from loraserve.forward_context import forward_context
 
+    marks = [(m.base_layer, name) for m in model.modules() if hasattr(m, "base_layer")
+             for name in ("output_feeds_norm", "output_feeds_rotary") if getattr(m.base_layer, name, False)]  # fmt: skip
+    if epilogues:
+        for base, name in marks:
+            setattr(base, name, False)
+    try:
+        return _steps(model, mapping, fdp, attention_layers, forward_context)
+    finally:
+        for base, name in marks:
+            setattr(base, name, True)
+
+
+def _steps(model, mapping, fdp, attention_layers, forward_context) -> list[torch.Tensor]:
     for attn in attention_layers(model):
         k = torch.zeros(fdp.NUM_BLOCKS * fdp.BLOCK_SIZE, attn.num_kv_heads, attn.head_dim, dtype=torch.float16, device=DEV)
         attn.bind_kv_cache(k, torch.zeros_like(k))
@@ -319,69 +278,55 @@ def _run_lora_steps(model, mapping, fdp) -> list[torch.Tensor]:
     for step in fdp.STEPS:
         md, pos = fdp.metadata(step, DEV)
         ids = torch.randint(2, 256, (pos.shape[0],), generator=g).to(DEV)
-        with torch.inference_mode(), forward_context(attn=md, lora=mapping(pos.shape[0])):
+        with torch.inference_mode(), forward_context(attn=md, lora=mapping(pos.shape[0]), cuda_graph=True):
             logits.append(model.compute_logits(model(ids, pos)).float().cpu())
     return logits
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated-silu", "gate-up-epilogue"])
-def test_decoder_norms_hand_qkv_and_gate_up_their_shrink(gated, monkeypatch):
-    """A tiny LoRA'd Llama's steps through the Triton path (fp16, 4-8 tokens a step, slots of ranks 16/8/4/0
-    and base tokens): with the shrink in the norms the logits equal those of the shrink launches, the
-    norms compute qkv's (3 slices) and gate/up's (2), and the only shrink launches left are o's and down's.
-    Either path of gate/up takes the norm's shrink: the SiLU-and-mul launch (gated) or the GEMM's epilogue.
-    On the gated path that launch also computes down's shrink (LORASERVE_GATED_SHRINK), and the decode
-    attention o's (LORASERVE_ATTN_SHRINK): then a decode step launches no shrink at all, with the same logits.
-    o's and down's shrink as their GEMM's extra columns (row_delta.GEMM_SHRINK) is off here: it replaces
-    exactly the launches counted (test_row_delta covers it)."""
-    from loraserve.layers import triton_attention
+def test_decoder_defers_its_lora_deltas_to_their_readers(gated, monkeypatch):
+    """A tiny LoRA'd Llama's steps (fp16, prefill, decode and mixed steps of 4-8 tokens; slots of ranks 16/8/4/0 and
+    base tokens) through the Triton LoRA path. The norms compute qkv's (3 slices) and gate/up's (2) shrink, and no
+    shrink launch is left: o's and down's are their GEMMs' extra columns (4 slots x 16 ranks <= their 128 columns).
+    qkv's delta is added by each layer's rotary launch, o's and down's by the norm after them (the post-attention
+    one, the next layer's input norm, the final one); no GEMM runs an epilogue but gate/up's where the gated
+    SiLU-and-mul does not take it. The logits equal those of the same model whose GEMMs add their own deltas
+    (``_run_lora_steps(epilogues=True)``). The shrink of the rounded norm output (``FOLD_MAX_BLOCK`` 0) and gate/up's
+    delta outside its GEMM's K (``delta_in_k.MAX_SLOT_COLUMNS`` 0), the fallbacks of larger shapes: the fold's and
+    delta_in_k's other roundings are checked against HF + PEFT by test_gpu_engine."""
+    from loraserve import forward_context
+    from loraserve.layers import triton_decode_linear
     from loraserve.lora.ops import delta_in_k
     from loraserve.lora.ops.triton import gated_lora, row_delta
 
-    monkeypatch.setattr(delta_in_k, "ENABLED", False)  # gate/up's delta as its GEMM's K has other roundings
-    monkeypatch.setattr(ns, "FOLD", False)  # so has the shrink of the unrounded norm
+    monkeypatch.setattr(delta_in_k, "MAX_SLOT_COLUMNS", 0)  # (read when the wrappers are created)
+    monkeypatch.setattr(ns, "FOLD_MAX_BLOCK", 0)
     model, mapping, fdp = _lora_model(seed=1)
     fdp.take_gpu_path(monkeypatch)
     monkeypatch.setattr(gated_lora, "prefer", lambda N, K: gated)
-    shrinks, norms = [], []
+    want = _run_lora_steps(model, mapping, fdp, epilogues=True)
+    shrinks, norms, deltas, qkv_deltas, gemms = [], [], [], [], []
     real_shrink, real_norm = TritonLoRAOps.__init__.__globals__["lora_shrink"], ns.norm_shrink
+    real_args, real_qkv_args, real_gemm = row_delta.kernel_args, row_delta.qkv_kernel_args, triton_decode_linear.decode_linear
     monkeypatch.setattr("loraserve.lora.ops.triton_ops.lora_shrink", lambda *a, **k: shrinks.append(len(a[1])) or real_shrink(*a, **k))
     monkeypatch.setattr(ns, "norm_shrink", lambda *a, **k: norms.append(len(a[4])) or real_norm(*a, **k))
-    monkeypatch.setattr(ns, "ENABLED", False)
-    monkeypatch.setattr(gated_lora, "SHRINK_ENABLED", False)
-    monkeypatch.setattr(triton_attention, "SHRINK_ENABLED", False)
-    monkeypatch.setattr(row_delta, "GEMM_SHRINK", False)
-    want = _run_lora_steps(model, mapping, fdp)
+    monkeypatch.setattr(row_delta, "kernel_args", lambda d, x: deltas.append(d is not None) or real_args(d, x))
+    monkeypatch.setattr(row_delta, "qkv_kernel_args", lambda d, q, h: qkv_deltas.append(d is not None) or real_qkv_args(d, q, h))
+    monkeypatch.setattr(triton_decode_linear, "decode_linear",
+                        lambda *a, **k: gemms.append((k.get("lora") is not None, k.get("shrink_into") is not None,
+                                                      k.get("trigger_after_wait", False)))
+                        or real_gemm(*a, **k))  # fmt: skip
+    got = _run_lora_steps(model, mapping, fdp)
     n_steps, n_layers = len(fdp.STEPS), 2
-    assert not norms and len(shrinks) == 4 * n_layers * n_steps, shrinks
-    shrinks.clear()
-    monkeypatch.setattr(ns, "ENABLED", True)
-    got = _run_lora_steps(model, mapping, fdp)
     assert norms == [3, 2] * n_layers * n_steps, f"each layer's two norms, qkv's then gate/up's: {norms}"
-    assert shrinks == [1, 1] * n_layers * n_steps, f"only o and down launch a shrink: {shrinks}"
+    assert not shrinks, f"no shrink launch left: {shrinks}"
+    assert deltas.count(True) == 2 * n_layers * n_steps, f"o's and down's deltas, each taken by a norm: {deltas}"
+    assert qkv_deltas == [True] * n_layers * n_steps, f"each layer's rotary launch takes qkv's delta: {qkv_deltas}"
+    # per layer: qkv (its dependent launched after its wait), o (its shrink as more columns), gate/up, down; then lm_head
+    layer = [(False, False, True), (False, True, False), (not gated, False, False), (False, True, False)]
+    assert gemms == (layer * n_layers + [(False, False, False)]) * n_steps, gemms
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")
-    for layer in model.modules():
-        assert getattr(layer, "_shrunk_input", None) is None, "every shrink the norms made was taken"
-    shrinks.clear()
-    downs, os_ = [], []
-    real_gated, real_attn = gated_lora.silu_and_mul_lora, triton_attention.paged_attention
-    monkeypatch.setattr(gated_lora, "silu_and_mul_lora", lambda *a, **k: downs.append(k.get("down") is not None) or real_gated(*a, **k))
-    monkeypatch.setattr(fdp.attention_mod, "_select_kernel", lambda device: lambda *a, **k: os_.append(k.get("shrink") is not None) or real_attn(*a, **k))
-    monkeypatch.setattr(gated_lora, "SHRINK_ENABLED", True)
-    monkeypatch.setattr(triton_attention, "SHRINK_ENABLED", True)
-    got = _run_lora_steps(model, mapping, fdp)
-    # STEPS: a prefill, a decode step, then a chunked prefill beside a decode (not a decode step)
-    decode = [len(step) == sum(n for _, n in step) for step in fdp.STEPS]
-    assert os_ == [d for d in decode for _ in range(n_layers)], f"the decode step's attention computed o's shrink: {os_}"
-    if gated:
-        assert downs == [True] * n_layers * n_steps, f"every gated launch computed down's shrink: {downs}"
-        want_shrinks = [[1], []]
-    else:
-        assert not downs, downs
-        want_shrinks = [[1, 1], [1]]
-    assert shrinks == [n for d in decode for _ in range(n_layers) for n in want_shrinks[d]], shrinks
-    for i, (a, b) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")
-    for layer in model.modules():
-        assert getattr(layer, "_shrunk_input", None) is None, "every shrink handed on was taken"
+    for module in model.modules():
+        assert getattr(module, "_shrunk_input", None) is None, "every shrink the norms made was taken"
+    assert forward_context.get_forward_context_or_none() is None

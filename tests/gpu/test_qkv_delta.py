@@ -1,4 +1,4 @@
-"""qkv_proj's LoRA delta left to the attention's rotary + KV-cache launch (``row_delta.QKV_ENABLED``), on random data.
+"""qkv_proj's LoRA delta left to the attention's rotary + KV-cache launch (``row_delta``), on random data.
 
 - ``rotary_kv_cache(delta=...)`` gives what the plain launch gives on qkv + delta computed in float64 from the
   same operands (the shrink's planes summed in fp32 in order, rounded to the products' dtype) and rounded once
@@ -6,9 +6,10 @@
   base tokens' rows, whose shrink rows hold NaN, are the plain launch's bit for bit; rotary dims short of the
   head (a rest passed through) take their delta too; ``PendingQKVDelta.add_to`` (the torch path) agrees;
 - ``TritonLoRAOps.qkv_deferring_delta`` returns the plain GEMM's output and a delta that, added, gives the
-  epilogue path's output; None where it is off or the norm did not compute the shrink;
-- a tiny LoRA'd Llama with it on: qkv's GEMM runs without its epilogue, each layer's rotary launch takes the
-  delta, and the logits equal those of the epilogue path.
+  epilogue path's output; None where the norm did not compute the shrink (the decoder's wiring: test_norm_shrink's
+  tiny LoRA'd Llama);
+- without the fused rotary launch (the torch attention) LlamaAttention adds the delta itself, and the logits equal
+  those of qkv's GEMM adding its own delta.
 
 Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (fp16 there: the interpreter has no bf16).
 """
@@ -135,12 +136,8 @@ def test_qkv_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch):
     x, As, Bs, w, bias, norm_w, ranks, slots = _ops_case(T, K, Hq, Hk, D, S, R, seed=5)
     mapping, meta = mapping_of(slots)
     ops = TritonLoRAOps(DEV)
-    monkeypatch.setattr(ns, "ENABLED", True)
     normed, _, buf = ops.norm_shrink(x, None, norm_w, 1e-6, As, Bs, ranks, w, meta, mapping.token_slots)
     args = (normed, w, bias, As, Bs, ranks, meta, mapping.token_slots)
-    monkeypatch.setattr(row_delta, "QKV_ENABLED", False)
-    assert ops.qkv_deferring_delta(*args, buf) is None, "off"
-    monkeypatch.setattr(row_delta, "QKV_ENABLED", True)
     assert ops.qkv_deferring_delta(*args, None) is None, "only where the norm computed x's shrink"
     assert ops.qkv_deferring_delta(normed, w, bias, As, Bs, [0] * S, meta, mapping.token_slots, buf) is None, "no rank"
     monkeypatch.setattr(row_delta, "QKV_MAX_HIDDEN", K - 1)
@@ -155,44 +152,7 @@ def test_qkv_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch):
     _mostly_equal(delta.add_to(y), want, "qkv + delta")
 
 
-def test_decoder_rotary_takes_qkv_delta(monkeypatch):
-    """A tiny LoRA'd Llama's steps (fp16, head_dim 32, prefill, decode and mixed steps of 4-8 tokens; slots of ranks
-    16/8/4/0 and base tokens) with qkv's delta left to the rotary launch: qkv's GEMM runs without its epilogue and
-    with trigger_after_wait, every layer's rotary launch takes the delta, and the logits equal those of the
-    epilogue path."""
-    from loraserve.layers import triton_decode_linear
-    from loraserve.lora.ops.triton import gated_lora
-
-    model, mapping, fdp = _lora_model(seed=3)
-    fdp.take_gpu_path(monkeypatch)
-    monkeypatch.setattr(ns, "ENABLED", True)
-    # NOTE: with the norms' folded shrink (ns.FOLD, the default) the two paths' logits differed on the H100 (session
-    # 30) by up to 7.8e-3 (2.3e-3 with gate/up's delta as more K), the same with the PDL chain off (not a race) and
-    # equal bits under the interpreter; under 2e-3 with it off. 7.8e-3 = 2^-7 is one fp16 ulp of a logit in [8, 16):
-    # most likely the two paths' own roundings (fp16 MMA in the epilogue, fp32 products in the rotary launch) landing
-    # on other elements for the fold's other s, not proven. test_gpu_engine checks the fold's logprobs against HF +
-    # PEFT's; here the shrink of the rounded norm, for which this bound was set
-    monkeypatch.setattr(ns, "FOLD", False)
-    monkeypatch.setattr(gated_lora, "EARLY_DELTA", False)  # only qkv's GEMM triggers after its wait (counted below)
-    monkeypatch.setattr(row_delta, "QKV_ENABLED", False)
-    want = _run_lora_steps(model, mapping, fdp)
-    taken, gemms = [], []
-    real_args, real_gemm = row_delta.qkv_kernel_args, triton_decode_linear.decode_linear
-    monkeypatch.setattr(row_delta, "qkv_kernel_args", lambda d, q, h: taken.append(d is not None) or real_args(d, q, h))
-    monkeypatch.setattr(triton_decode_linear, "decode_linear",
-                        lambda *a, **k: gemms.append((k.get("lora") is not None, k.get("trigger_after_wait", False)))
-                        or real_gemm(*a, **k))  # fmt: skip
-    monkeypatch.setattr(row_delta, "QKV_ENABLED", True)
-    got = _run_lora_steps(model, mapping, fdp)
-    n_steps, n_layers = len(fdp.STEPS), 2
-    assert taken == [True] * n_layers * n_steps, f"each layer's rotary launch takes qkv's delta: {taken}"
-    assert gemms[0] == (False, True), f"qkv's GEMM: no epilogue, its dependent launched after its wait: {gemms[:4]}"
-    assert sum(1 for g in gemms if g[1]) == n_layers * n_steps, gemms
-    for i, (a, b) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")
-
-
-def test_rotary_reads_the_norms_shrink_only_once_written(monkeypatch):
+def test_rotary_reads_the_norms_shrink_only_once_written():
     """The norm's shrink, qkv's GEMM (``trigger_after_wait``), then the rotary launch computing the delta before its PDL
     wait: on the GPU the rotary launch reads the norm's buf before its wait, safe only because the GEMM lets it launch
     after the norm finished. The norm's buf is allocated where NaN was just freed, so a read before the norm wrote it
@@ -201,8 +161,6 @@ def test_rotary_reads_the_norms_shrink_only_once_written(monkeypatch):
     x, As, Bs, w, bias, norm_w, ranks, slots = _ops_case(T, K, Hq, Hk, D, S, R, seed=9)
     mapping, meta = mapping_of(slots)
     ops = TritonLoRAOps(DEV)
-    monkeypatch.setattr(ns, "ENABLED", True)
-    monkeypatch.setattr(row_delta, "QKV_ENABLED", True)
     g = torch.Generator().manual_seed(10)
     rd = D
     f = (torch.arange(T).float() * 3)[:, None] / (10000 ** (torch.arange(0, rd, 2).float() / rd))[None, :]
@@ -224,20 +182,22 @@ def test_rotary_reads_the_norms_shrink_only_once_written(monkeypatch):
 
 
 def test_llama_adds_qkv_delta_where_the_rotary_launch_does_not_run(monkeypatch):
-    """Without the fused rotary launch (LORASERVE_FUSED_ELEMENTWISE=0: torch's rotary and cache write) a delta qkv_proj
-    left is added by LlamaAttention itself (``PendingQKVDelta.add_to``): the logits equal those of the epilogue path."""
+    """Without the fused rotary launch (the torch attention path: rotary and cache write in torch) a delta qkv_proj
+    left is added by LlamaAttention itself (``PendingQKVDelta.add_to``): the logits equal those of every GEMM adding
+    its own delta (``_run_lora_steps(epilogues=True)``; the shrink of the rounded norm output, ``FOLD_MAX_BLOCK`` 0,
+    and gate/up's delta outside its GEMM's K, as test_norm_shrink's decoder test)."""
     from loraserve.layers import attention
+    from loraserve.lora.ops import delta_in_k
 
+    monkeypatch.setattr(delta_in_k, "MAX_SLOT_COLUMNS", 0)
+    monkeypatch.setattr(ns, "FOLD_MAX_BLOCK", 0)
     model, mapping, fdp = _lora_model(seed=4)
     fdp.take_gpu_path(monkeypatch)
-    monkeypatch.setattr(attention, "FUSED_ELEMENTWISE", False)
-    monkeypatch.setattr(ns, "ENABLED", True)
-    monkeypatch.setattr(row_delta, "QKV_ENABLED", False)
-    want = _run_lora_steps(model, mapping, fdp)
+    monkeypatch.setattr(attention, "_select_kernel", lambda device: None)
+    want = _run_lora_steps(model, mapping, fdp, epilogues=True)
     added = []
     real = PendingQKVDelta.add_to
     monkeypatch.setattr(PendingQKVDelta, "add_to", lambda self, y: added.append(1) or real(self, y))
-    monkeypatch.setattr(row_delta, "QKV_ENABLED", True)
     got = _run_lora_steps(model, mapping, fdp)
     assert len(added) == 2 * len(fdp.STEPS), f"each layer's qkv delta added by the model: {len(added)}"
     for i, (a, b) in enumerate(zip(got, want)):

@@ -6,9 +6,7 @@
   outputs bit for bit; the shrink's split planes are summed;
 - ``PendingDelta.add_to`` (the torch path of a reader without the kernel) gives the same numbers;
 - ``TritonLoRAOps.linear_deferring_delta`` returns the base GEMM's output and a delta that, added, gives the
-  fused path's output; off with LORASERVE_DEFER_DELTA=0;
-- a tiny LoRA'd Llama with it on: o's and down's GEMMs run without their epilogue, every norm after them
-  takes their delta, and the logits equal those of the epilogue path.
+  fused path's output (the decoder's wiring: test_norm_shrink's tiny LoRA'd Llama).
 
 Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (fp16 there: the interpreter has no bf16).
 """
@@ -19,7 +17,7 @@ import pytest
 import torch
 
 from tests.gpu.test_decode_linear import lora_stacks, rel_err
-from tests.gpu.test_norm_shrink import HALF, _lora_model, _run_lora_steps, mapping_of
+from tests.gpu.test_norm_shrink import HALF, mapping_of
 from tests.gpu.triton_device import triton_device
 
 DEV = triton_device()
@@ -202,7 +200,9 @@ def test_exact_pieces_sum_to_a():
 
 @pytest.mark.parametrize("gemm_shrink,adt", [(True, torch.float16), (True, torch.float32), (False, torch.float16)],
                          ids=["shrink-in-gemm", "shrink-in-gemm-A-fp32-two-pieces", "shrink-launch"])  # fmt: skip
-def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch, gemm_shrink, adt):
+def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(gemm_shrink, adt):
+    """gemm_shrink: the layer's A rows for the GEMM's shrink columns, or none (the shrink launch, which shapes the
+    GEMM's columns do not fit take)."""
     from loraserve.lora.ops.precision import exact_pieces
 
     T, K, N, S, R = 12, 256, 128, 4, 16
@@ -218,10 +218,6 @@ def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch, gemm
     mapping, meta = mapping_of(slots)
     ops = TritonLoRAOps(DEV)
     args = (x, weight, None, As, Bs, ranks, meta, mapping.token_slots)
-    monkeypatch.setattr(row_delta, "ENABLED", False)
-    assert not ops.defers_delta and ops.linear_deferring_delta(*args) is None, "off with LORASERVE_DEFER_DELTA=0"
-    monkeypatch.setattr(row_delta, "ENABLED", True)
-    assert ops.defers_delta
     rows = torch.stack(exact_pieces(As[0][:, 0], weight.dtype)).contiguous() if gemm_shrink else None
     gemm_shrink_rows = (lambda: rows) if gemm_shrink else None  # as a layer's method
     y, delta = ops.linear_deferring_delta(*args, None, gemm_shrink_rows)
@@ -244,49 +240,6 @@ def test_linear_deferring_delta_is_the_base_gemm_and_its_delta(monkeypatch, gemm
     assert ops.linear_deferring_delta(*no_rank) is None, "no rank"
     two = ops.linear_deferring_delta(x, weight, None, As * 2, Bs * 2, ranks, meta, mapping.token_slots)
     assert two is None, "one slice only (a row-parallel projection)"
-
-
-@pytest.mark.parametrize("gemm_shrink", [True, False], ids=["shrink-in-gemm", "shrink-launch"])
-def test_decoder_norms_add_o_and_downs_deferred_delta(monkeypatch, gemm_shrink):
-    """A tiny LoRA'd Llama's steps (fp16, prefill, decode and mixed steps of 4-8 tokens; slots of ranks 16/8/4/0
-    and base tokens): with row_delta on (the default) o's and down's GEMMs run without the epilogue, each norm after
-    them (the post-attention one, the next layer's input norm, the final norm) adds their delta in its launch,
-    with and without the norms' own shrink, and the logits equal those of the epilogue path."""
-    from loraserve import forward_context
-    from loraserve.layers import triton_decode_linear
-    from loraserve.lora.ops import delta_in_k
-    from loraserve.lora.ops.triton import norm_shrink
-
-    monkeypatch.setattr(delta_in_k, "ENABLED", False)  # gate/up's delta as its GEMM's K has other roundings
-    monkeypatch.setattr(norm_shrink, "FOLD", False)  # so has the shrink of the unrounded norm
-    model, mapping, fdp = _lora_model(seed=2)
-    fdp.take_gpu_path(monkeypatch)
-    monkeypatch.setattr(row_delta, "QKV_ENABLED", False)  # qkv's GEMM keeps its epilogue (test_qkv_delta: the other way)
-    monkeypatch.setattr(row_delta, "ENABLED", False)
-    want = _run_lora_steps(model, mapping, fdp)
-    monkeypatch.setattr(row_delta, "GEMM_SHRINK", gemm_shrink)
-    taken, epilogues, in_gemm = [], [], []
-    real_args, real_gemm = row_delta.kernel_args, triton_decode_linear.decode_linear
-    monkeypatch.setattr(row_delta, "kernel_args", lambda d, x: taken.append(d is not None) or real_args(d, x))
-    monkeypatch.setattr(triton_decode_linear, "decode_linear",
-                        lambda *a, **k: epilogues.append(k.get("lora") is not None)
-                        or in_gemm.append(k.get("shrink_into") is not None) or real_gemm(*a, **k))  # fmt: skip
-    monkeypatch.setattr(row_delta, "ENABLED", True)
-    n_steps, n_layers = len(fdp.STEPS), 2
-    for norm_shrink_on in (True, False):
-        taken.clear(), epilogues.clear(), in_gemm.clear()
-        monkeypatch.setattr(ns, "ENABLED", norm_shrink_on)
-        got = _run_lora_steps(model, mapping, fdp)
-        # per step: each layer's post-attention norm and the next norm (the final one after the last layer)
-        assert taken.count(True) == 2 * n_layers * n_steps, f"o's and down's deltas, each taken by a norm: {taken}"
-        # qkv's GEMM keeps its epilogue; gate/up's adds its delta in SiLU-and-mul; o's and down's have none
-        assert epilogues == [True, False, False, False] * n_layers * n_steps, epilogues
-        # o's and down's shrinks: their GEMM's extra columns (4 slots x 16 ranks <= their 128 columns), or launches
-        assert in_gemm == [False, False, False, gemm_shrink] * n_layers * n_steps or in_gemm == [
-            False, gemm_shrink, False, gemm_shrink] * n_layers * n_steps, in_gemm  # fmt: skip
-        for i, (a, b) in enumerate(zip(got, want)):
-            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m, i=i: f"step {i}: {m}")
-    assert forward_context.get_forward_context_or_none() is None
 
 
 def test_a_deferred_delta_nobody_takes_is_an_error():

@@ -18,7 +18,6 @@ DEV = triton_device()
 from loraserve.forward_context import forward_context  # noqa: E402
 from loraserve.lora.ops import torch_ops  # noqa: E402
 from loraserve.lora.ops.precision import compute_dtype  # noqa: E402
-from loraserve.lora.ops.triton import lora_prefill as prefill_mod  # noqa: E402
 from loraserve.lora.ops.triton import utils as triton_utils  # noqa: E402
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink  # noqa: E402
 from loraserve.lora.ops.triton_ops import TritonLoRAOps  # noqa: E402
@@ -75,7 +74,7 @@ CASES = [
     (1, 4, 8, 64, (64, 32, 32), torch.bfloat16, torch.float32, torch.bfloat16),
     (1000, 3, 16, 1024, (2048,), torch.bfloat16, torch.bfloat16, torch.bfloat16),
     # fp16 weights with bf16 x (the GPU's auto storage): tf32 products (the prefill shrink's fp16, exact
-    # too: lora_shrink.FP16_X), s kept in fp32 (precision.py)
+    # too: lora_shrink.x_dot), s kept in fp32 (precision.py)
     (16, 8, 16, 4096, (4096, 1024, 1024), torch.bfloat16, torch.float16, torch.bfloat16),
     (256, 8, 16, 1024, (1024, 256, 256), torch.bfloat16, torch.float16, torch.float32),
     (200, 8, 32, 14336, (4096,), torch.bfloat16, torch.float16, torch.bfloat16),
@@ -87,13 +86,8 @@ CASES = [
     "case", CASES, ids=lambda c: f"T{c[0]}-S{c[1]}-R{c[2]}-{len(c[4])}sl-{c[5]}-{c[6]}-{c[7]}"
 )
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("shrink_reduces", [False, True], ids=["planes-summed-by-expand", "summed-by-shrink"])
-def test_add_lora_linear_matches_reference(case, seed, shrink_reduces, monkeypatch):
-    """Both shrink modes; planes-summed-by-expand keeps prefill sizes on the two launches too (the other
-    mode takes ``lora_prefill``'s one launch there, as the default does)."""
-    if not shrink_reduces:
-        monkeypatch.setattr(prefill_mod, "ENABLED", False)
-    check_add_lora_linear(case, seed, shrink_reduces)
+def test_add_lora_linear_matches_reference(case, seed):
+    check_add_lora_linear(case, seed)
 
 
 def random_case(case, seed, top_rank=None):
@@ -134,14 +128,13 @@ def assert_delta_matches(y, y0, ref, base, xdt, wdt, ydt) -> None:
     assert torch.isfinite(y).all()
 
 
-def check_add_lora_linear(case, seed, shrink_reduces=True, top_rank=None) -> SegmentMeta:
+def check_add_lora_linear(case, seed, top_rank=None) -> SegmentMeta:
     """add_lora_linear on random data (ranks with an empty slot, tokens of no adapter) equals the torch
     reference; returns the mapping's kernel view. ``top_rank``: the largest rank in the batch (R if None)."""
     mapping, ranks, As, Bs, x, y0, base = random_case(case, seed, top_rank)
     ref = reference(y0, x, As, Bs, mapping.token_segments, ranks)
     y = y0.clone()
     ops = TritonLoRAOps(DEV)
-    ops.shrink_reduces = shrink_reduces
     meta = meta_of(mapping)
     ops.add_lora_linear(y, x, As, Bs, ranks, meta)
     sync()
@@ -158,15 +151,12 @@ def check_add_lora_linear(case, seed, shrink_reduces=True, top_rank=None) -> Seg
     ],
     ids=["decode-R48-top33", "prefill-R48-top33", "prefill-R64-top20"],
 )
-@pytest.mark.parametrize("shrink_reduces", [False, True], ids=["planes-summed-by-expand", "summed-by-shrink"])
-def test_add_lora_linear_batch_ranks_below_R(case, top_rank, shrink_reduces, monkeypatch):
+def test_add_lora_linear_batch_ranks_below_R(case, top_rank):
     """Every rank in the batch below the stacks' R (48 or 64, multiples of the shrink's 16-column rank block):
     the output still equals the reference when the shrink's grid covers only the batch's largest rank and
     its stores drop the r < R mask (EVEN_R). (Columns past every rank are never read here; the zero-filled
-    R = 48 case in test_decode_linear.py reads them all.) planes-summed-by-expand: two launches at prefill."""
-    if not shrink_reduces:
-        monkeypatch.setattr(prefill_mod, "ENABLED", False)
-    check_add_lora_linear(case, 0, shrink_reduces, top_rank=top_rank)
+    R = 48 case in test_decode_linear.py reads them all.)"""
+    check_add_lora_linear(case, 0, top_rank=top_rank)
 
 
 def test_wrapper_dispatches_to_triton_and_covers_logits():
@@ -323,9 +313,8 @@ PREFILL_TILES = [  # (shrink, expand) tiles the prefill sweep (bench_lora_kernel
     ids=lambda c: f"T{c[0]}-{c[5]}",
 )
 def test_prefill_tiles_match_reference(tiles, case, monkeypatch):
-    """With the one-launch path off, segments longer than 32 tokens take the PREFILL tiles: every candidate
-    gives the reference's delta (a one-slice layer takes PREFILL_ONE_SLICE whatever PREFILL is)."""
-    monkeypatch.setattr(prefill_mod, "ENABLED", False)
+    """Segments longer than 32 tokens take the PREFILL tiles: every candidate gives the reference's delta (a
+    one-slice layer takes PREFILL_ONE_SLICE whatever PREFILL is)."""
     from loraserve.lora.ops.triton import lora_expand as expand_mod
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
@@ -351,9 +340,9 @@ class LaunchSpy:
 @pytest.mark.parametrize("T", [16, 200, 600], ids=["decode-size", "prefill-size", "prefill-split-k"])
 @pytest.mark.parametrize("n_slices", [1, 3])
 def test_fp16_x_shrink_products_are_exact(T, n_slices, monkeypatch):
-    """bf16 x with fp16 A (the GPU's auto storage): the shrink casts x to fp16 and multiplies in fp16
-    (``lora_shrink.FP16_X``), which holds every bf16 value in [2^-17, 65504] exactly, so its sums equal
-    the fp64 product within fp32 summation error, as the tf32 path's do; x's entries below 2^-14
+    """bf16 x with fp16 A (the GPU's auto storage): at prefill sizes the shrink casts x to fp16 and multiplies in
+    fp16 (``lora_shrink.x_dot``), which holds every bf16 value in [2^-17, 65504] exactly, so its sums equal
+    the fp64 product within fp32 summation error, as the tf32 path's (decode sizes) do; x's entries below 2^-14
     (fp16's subnormals, some rounded) included, and rows whose every entry is an fp16 subnormal held exactly
     (in [2^-17, 2^-14)), checked on their own: a tensor core flushing fp16 subnormals to zero would lose
     them. Decode sizes, prefill, and prefill with K split."""
@@ -374,31 +363,25 @@ def test_fp16_x_shrink_products_are_exact(T, n_slices, monkeypatch):
     ranks = torch.full((S,), R, dtype=torch.int32, device=DEV)
     st = torch.tensor(slots)
     ref = torch.stack([torch.einsum("tk,trk->tr", x.double(), t.cpu().double()[st, 0]) for t in As], dim=0)
-    outs = {}
     spy = LaunchSpy(shrink_mod._lora_shrink_kernel)
     monkeypatch.setattr(shrink_mod, "_lora_shrink_kernel", spy)
-    for on in (True, False):
-        monkeypatch.setattr(shrink_mod, "FP16_X", on)
-        buf = lora_shrink(x.to(DEV), As, meta, ranks, R)
-        sync()
-        assert spy.launches[-1]["X16"] == (on and T > 32), "fp16 products at prefill sizes only, with the knob on"
-        assert buf.shape[0] == 1, "the shrink sums its own splits (one plane)"
-        outs[on] = buf[0].double().cpu()
-        err = rel_err(outs[on], ref)
-        assert err < 2e-6, f"FP16_X={on}: rel err {err}"
-        err = rel_err(outs[on][:, tiny], ref[:, tiny])
-        assert err < 2e-6, f"FP16_X={on}: rows of fp16 subnormals, rel err {err}"
-    assert rel_err(outs[True], outs[False]) < 2e-6
+    buf = lora_shrink(x.to(DEV), As, meta, ranks, R)
+    sync()
+    assert spy.launches[-1]["X16"] == (T > 32), "fp16 products at prefill sizes only"
+    assert buf.shape[0] == 1, "the shrink sums its own splits (one plane)"
+    out = buf[0].double().cpu()
+    err = rel_err(out, ref)
+    assert err < 2e-6, f"rel err {err}"
+    err = rel_err(out[:, tiny], ref[:, tiny])
+    assert err < 2e-6, f"rows of fp16 subnormals, rel err {err}"
 
 
 @pytest.mark.parametrize("n_slices", [1, 3])
 @pytest.mark.parametrize("K", [128, 4096], ids=["one-k-chunk", "k-split"])
-@pytest.mark.parametrize("reduce", [True, False], ids=["summed-by-shrink", "planes-summed-by-reader"])
-def test_fp16_x_shrink_recomputes_blocks_past_fp16_range(n_slices, K, reduce, monkeypatch):
-    """Prefill, bf16 x with fp16 A, fp16 products on: rows with an x of 3e5 (inf in fp16) in one K column
-    (with K split, in one split's range only); the blocks holding them are computed again in tf32, so every
-    sum is finite and equals the fp64 product, the partial planes too. One and three slices, one K chunk a
-    program and K split, splits summed by the shrink or left as planes."""
+def test_fp16_x_shrink_recomputes_blocks_past_fp16_range(n_slices, K, monkeypatch):
+    """Prefill, bf16 x with fp16 A, fp16 products: rows with an x of 3e5 (inf in fp16) in one K column (with K
+    split, in one split's range only); the blocks holding them are computed again in tf32, so every sum is finite
+    and equals the fp64 product, the partial planes too. One and three slices, one K chunk a program and K split."""
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
     g = torch.Generator().manual_seed(5)
@@ -411,8 +394,7 @@ def test_fp16_x_shrink_recomputes_blocks_past_fp16_range(n_slices, K, reduce, mo
     x = x.to(torch.bfloat16)
     spy = LaunchSpy(shrink_mod._lora_shrink_kernel)
     monkeypatch.setattr(shrink_mod, "_lora_shrink_kernel", spy)
-    monkeypatch.setattr(shrink_mod, "FP16_X", True)
-    buf = lora_shrink(x.to(DEV), As, meta, torch.full((S,), R, dtype=torch.int32, device=DEV), R, reduce=reduce)
+    buf = lora_shrink(x.to(DEV), As, meta, torch.full((S,), R, dtype=torch.int32, device=DEV), R)
     sync()
     assert spy.launches[-1]["X16"], "the case must take the fp16 products"
     st = torch.tensor(slots)
@@ -429,7 +411,7 @@ def test_fp16_x_shrink_recomputes_blocks_past_fp16_range(n_slices, K, reduce, mo
 def test_fp16_weights_take_bf16_x_beyond_fp16_range(T):
     """bf16 activations, and s = A x, past fp16's range (65504) with fp16 LoRA weights (the GPU's auto
     storage), through add_lora_linear: the shrink's products exact (tf32 at decode sizes; fp16 at prefill,
-    with the blocks holding an x past 65504 computed again in tf32: ``lora_shrink.FP16_X``) and s fp32 into
+    with the blocks holding an x past 65504 computed again in tf32: ``lora_shrink.x_dot``) and s fp32 into
     the expand, so the delta is finite and equals the fp64 product; fp16 products kept for those blocks,
     or s rounded to fp16 in the expand, would make it inf."""
     g = torch.Generator().manual_seed(7)

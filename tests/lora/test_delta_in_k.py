@@ -60,14 +60,23 @@ def test_it_fits_only_the_shapes_its_gemm_takes():
     assert not delta_in_k.fits(torch.zeros(384, 128, dtype=torch.bfloat16), (b(128), b(128), b(128))), "3 slices"
 
 
-def test_applies_only_where_it_is_on(monkeypatch):
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: ``applies``' other conditions without a GPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def test_applies_only_on_the_gpu_at_one_rank_and_not_fully_sharded():
     w = torch.zeros(256, 128, dtype=torch.bfloat16)
     b = (torch.zeros(2, 1, 128, 2), torch.zeros(2, 1, 128, 2))
     assert delta_in_k.fits(w, b)
-    monkeypatch.setattr(delta_in_k, "ENABLED", True)
     assert not delta_in_k.applies(w, b, 1, False), "the CPU: no fused decode path"
-    monkeypatch.setattr(delta_in_k, "ENABLED", False)
-    assert not delta_in_k.applies(w, b, 1, False), "off"
+    on_gpu = w.as_subclass(_OnCuda)
+    assert delta_in_k.applies(on_gpu, b, 1, False)
+    assert not delta_in_k.applies(on_gpu, b, 2, False), "tensor parallel"
+    assert not delta_in_k.applies(on_gpu, b, 1, True), "the fully sharded wrappers (their own set_lora)"
 
 
 def test_a_b_past_the_weights_range_is_refused_before_anything_is_written():
@@ -83,7 +92,7 @@ def test_a_b_past_the_weights_range_is_refused_before_anything_is_written():
     assert layer.w_in_k is None, "the CPU: no fused decode path"
     layer.w_in_k = delta_in_k.widen(base, layer.lora_b_stacked)  # as create_lora_weights does on the GPU
     a = [torch.ones(4, 128), torch.ones(4, 128)]
-    with pytest.raises(ValueError, match="slot 1: a LoRA B value is past torch.float16's range.*LORASERVE_DELTA_IN_K=0"):
+    with pytest.raises(ValueError, match="slot 1: a LoRA B value is past torch.float16's range.*--dtype bfloat16"):
         layer.set_lora(1, a, [torch.full((128, 4), 1e6), torch.zeros(128, 4)])
     assert all(t.abs().sum() == 0 for t in (*layer.lora_a_stacked, *layer.lora_b_stacked)), "nothing written"
     assert torch.equal(layer.w_in_k[:, 128:], torch.zeros(256, 8, dtype=torch.float16))

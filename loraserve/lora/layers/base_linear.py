@@ -10,15 +10,12 @@ fp32 tables whose last row is the identity, so indexing with a token's slot (-1 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from loraserve.config import LoRAConfig
 from loraserve.forward_context import current_lora_mapping, defer_delta
 from loraserve.layers.linear import linear
 from loraserve.lora.layers.base import BaseLayerWithLoRA, LoRAPieces
-from loraserve.lora.ops import precision
 from loraserve.lora.ops.precision import exact_pieces
-from loraserve.lora.punica import FusedShrink
 
 
 class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
@@ -33,8 +30,8 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         super().__init__()
         self.base_layer = base_layer
         self.tp_rank, self.tp_size = base_layer.tp_rank, base_layer.tp_size
-        # (an input, its shrink) computed by the launch that wrote it (fuse_norm, or gate/up's activation:
-        # keep_shrunk), taken by the call whose x is that very tensor
+        # (an input, its shrink) computed by the launch that wrote it (fuse_norm, keep_shrunk), taken by the
+        # call whose x is that very tensor
         self._shrunk_input: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -84,7 +81,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         if self._gemm_rows is None:
             (a,) = self.lora_a_stacked
             self._gemm_rows = torch.stack(exact_pieces(a[:, 0], self.base_layer.weight.dtype)).contiguous()
-        if len(self._gemm_rows) > 1 and precision.ONE_PIECE_WHERE_EXACT and self.a_exact_in_w():
+        if len(self._gemm_rows) > 1 and self.a_exact_in_w():
             return self._gemm_rows[:1]
         return self._gemm_rows
 
@@ -201,8 +198,8 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         """F.linear(x, weight, bias) + the per-token LoRA delta (``apply_lora``'s numbers).
 
         At decode sizes on the GPU the delta rides in the GEMM's epilogue (the shrink and one GEMM
-        launch instead of a GEMM, a shrink and an expand; ``LORASERVE_DECODE_LINEAR=0`` turns it off);
-        otherwise, and everywhere else, the GEMM then ``apply_lora``.
+        launch instead of a GEMM, a shrink and an expand); otherwise, and everywhere else, the GEMM then
+        ``apply_lora``.
         """
         if self._fusable():
             y = self.punica_wrapper.linear_with_lora(
@@ -215,13 +212,13 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
 
     def fuse_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, delta=None):
         """The RMSNorm whose output is this layer's input, run with this layer's LoRA shrink in its launch
-        (``RMSNorm``'s ``feeds`` protocol; ``norm_shrink``, on by default): the norm's result, or None where this
+        (``RMSNorm``'s ``feeds`` protocol; ``norm_shrink``): the norm's result, or None where this
         step's LoRA would not take the fused decode path (the norm then runs alone). The shrink is kept
         for the call of this layer whose x is the norm's output (``take_shrunk``). ``delta``: x's pending
         LoRA delta (``punica.PendingDelta``), added to x first in the same launch."""
         self._shrunk_input = None
         pw = self.punica_wrapper
-        if pw is None or not pw.fuses_norm or not self._fusable():
+        if pw is None or not self._fusable():
             return None
         fused = pw.norm_shrink(
             x, residual, weight, eps, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.base_layer.weight,
@@ -239,16 +236,6 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
         pending, self._shrunk_input = self._shrunk_input, None
         return pending[1] if pending is not None and pending[0] is x else None
 
-    def fused_shrink_operands(self, x_like: torch.Tensor) -> FusedShrink | None:
-        """This layer's LoRA, for the launch that writes its input (an x like x_like) to compute the shrink of
-        it too (gate/up's activation for down, attention for o), where this step's product takes the fused
-        decode path; else None. The result goes back through ``keep_shrunk``."""
-        if self.punica_wrapper is None or not self._fusable():
-            return None
-        return self.punica_wrapper.fused_shrink(
-            x_like, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, self.base_layer.weight
-        )
-
     def defer_to_reader(self, x: torch.Tensor, deferring) -> torch.Tensor | None:
         """y where ``deferring(shrunk)`` (a punica ``*_deferring_delta`` call given x's shrink from the launch that
         wrote x, or None) returns (y, its delta): the delta is left to y's reader (``forward_context.defer_delta``).
@@ -263,13 +250,8 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             self.keep_shrunk(x, shrunk)
         return None
 
-    def l2_prefetch_stacks(self) -> list[torch.Tensor]:
-        """This layer's A and B stacks where this step's product takes the fused decode path, for a launch
-        before it to pull its tokens' slots of them into L2 (``l2_prefetch``); else none."""
-        return [*self.lora_a_stacked, *self.lora_b_stacked] if self._fusable() else []
-
     def keep_shrunk(self, x: torch.Tensor, buf: torch.Tensor) -> None:
-        """Keep the shrink of x that the launch writing x computed (``fused_shrink_operands``), for ``take_shrunk``."""
+        """Keep the shrink of x that the launch writing x computed, for ``take_shrunk``."""
         self._shrunk_input = (x, buf)
 
     def _fusable(self) -> bool:
@@ -282,7 +264,7 @@ class BaseLinearLayerWithLoRA(BaseLayerWithLoRA):
             return False
         return not any(self.slot_has_bias[s] or self.slot_has_dora[s] for s in mapping.active_slots)
 
-    def forward_activated(self, x: torch.Tensor, act, feeds: nn.Module | None = None) -> torch.Tensor:
+    def forward_activated(self, x: torch.Tensor, act) -> torch.Tensor:
         """act(self(x)): a gated MLP's projection and activation (``MergedColumnParallelLinear``'s
         contract); wrappers with a fused path for it override this."""
         return act(self(x))

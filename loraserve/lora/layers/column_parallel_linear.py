@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from loraserve.distributed.comm import tp_all_gather
 from loraserve.layers.activation import SiluAndMul
@@ -45,11 +44,11 @@ class ColumnParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
         base = self.base_layer
         if getattr(base, "output_feeds_rotary", False) and not base.gather_output and self._fusable():
             pw = self.punica_wrapper
-            if pw.defers_qkv_delta:  # the base product; the attention's rotary launch adds the delta
-                y = self.defer_to_reader(x, lambda shrunk: pw.qkv_deferring_delta(
-                    x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, shrunk))
-                if y is not None:
-                    return y
+            # the base product; the attention's rotary launch adds the delta
+            y = self.defer_to_reader(x, lambda shrunk: pw.qkv_deferring_delta(
+                x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, shrunk))
+            if y is not None:
+                return y
         y = self.linear(x, base.weight, base.bias)
         return tp_all_gather(y) if base.gather_output else y
 
@@ -82,7 +81,7 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
 
     def create_lora_weights(self, max_loras: int, lora_config, model_config=None) -> None:
         super().create_lora_weights(max_loras, lora_config, model_config)
-        # the delta as more K of the GEMM (delta_in_k, on by default where it fits): W widened now, before any graph reads it
+        # the delta as more K of the GEMM (delta_in_k, where it fits): W widened now, before any graph reads it
         sharded = bool(getattr(lora_config, "fully_sharded_loras", False))
         if self.n_slices == 2 and delta_in_k.applies(self.base_layer.weight, self.lora_b_stacked, self.tp_size, sharded):
             self.w_in_k = delta_in_k.widen(self.base_layer, self.lora_b_stacked)
@@ -107,7 +106,7 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
         writes the shrink as more columns of its output instead, kept for ``forward_activated``."""
         self._in_k_input = None
         pw = self.punica_wrapper
-        if self.w_in_k is not None and pw is not None and pw.fuses_norm and self._fusable():
+        if self.w_in_k is not None and pw is not None and self._fusable():
             fused = pw.norm_shrink(
                 x, residual, weight, eps, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks,
                 self.base_layer.weight, delta=delta, in_k=True,
@@ -119,12 +118,9 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
                 return out if residual is None else (out, new_residual)
         return super().fuse_norm(x, residual, weight, eps, delta)
 
-    def forward_activated(self, x: torch.Tensor, act, feeds: nn.Module | None = None) -> torch.Tensor:
+    def forward_activated(self, x: torch.Tensor, act) -> torch.Tensor:
         """act(self(x)); for SiLU-and-mul on gate/up at decode sizes on the GPU, the delta is added in the
-        activation's launch instead of the GEMM's epilogue where that is faster (``gated_lora``). ``feeds``:
-        the layer the activation's output goes to (down); where it is LoRA'd (``fused_shrink_operands``) that
-        launch computes its shrink too, kept for it (``keep_shrunk``): down then runs no shrink launch.
-        Where the norm wrote x with its shrink as more columns (``fuse_norm``, ``delta_in_k``): one plain GEMM
+        activation's launch instead of the GEMM's epilogue where that is faster (``gated_lora``). Where the norm wrote x with its shrink as more columns (``fuse_norm``, ``delta_in_k``): one plain GEMM
         of that wider x and the wider W, then act."""
         base = self.base_layer
         in_k, self._in_k_input = self._in_k_input, None
@@ -137,14 +133,10 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
             return act(triton_decode_linear.decode_linear(in_k[1], self.w_in_k, base.bias, tiles=tiles, in_k=k_args))
         if isinstance(act, SiluAndMul) and not base.gather_output and self.n_slices == 2 and self._fusable():
             pending = self._shrunk_input
-            then_shrink = getattr(feeds, "fused_shrink_operands", None)
             out = self.punica_wrapper.linear_with_lora(
                 x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks,
-                then_silu_and_mul=True, shrunk=self.take_shrunk(x), then_shrink=then_shrink,
+                then_silu_and_mul=True, shrunk=self.take_shrunk(x),
             )
-            if isinstance(out, tuple):
-                out, buf = out
-                feeds.keep_shrunk(out, buf)
             if out is not None:
                 return out
             self._shrunk_input = pending  # not taken: the epilogue path below uses it

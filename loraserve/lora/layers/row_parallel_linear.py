@@ -23,11 +23,11 @@ class RowParallelLinearWithLoRA(BaseLinearLayerWithLoRA):
         base = self.base_layer
         if self.tp_size == 1:
             pw = self.punica_wrapper
-            if base.output_feeds_norm and pw is not None and pw.defers_delta and self._fusable():
+            if base.output_feeds_norm and pw is not None and self._fusable():
                 # the base product; the norm reading it adds the delta (row_delta)
                 y = self.defer_to_reader(x, lambda shrunk: pw.linear_deferring_delta(
                     x, base.weight, base.bias, self.lora_a_stacked, self.lora_b_stacked, self.slot_ranks, shrunk=shrunk,
-                    gemm_shrink_rows=self.gemm_shrink_rows if pw.gemm_shrinks else None,
+                    gemm_shrink_rows=self.gemm_shrink_rows,
                 ))  # fmt: skip
                 if y is not None:
                     return y

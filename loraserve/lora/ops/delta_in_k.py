@@ -1,5 +1,4 @@
-"""gate/up's LoRA delta as more K of its base GEMM (on by default since session 30, ``LORASERVE_DELTA_IN_K=0`` turns
-it off; small models, decode steps on the GPU).
+"""gate/up's LoRA delta as more K of its base GEMM (small models, decode steps on the GPU).
 
     y[rows of slice i] = [x | s_i] @ [W | B_i]^T = x W^T + s_i B_i^T
 
@@ -11,14 +10,11 @@ GEMM reads, for the rows of slice i, x's set of slice i past K (``decode_linear(
 second slice read x's columns past K S*R further on). One GEMM then gives base + delta, rounded once: no
 expand, no epilogue, and gate/up's activation is the plain SiLU-and-mul.
 
-Why: session 29's critical path (``step_trace.py``, H100, Qwen2.5-0.5B, 8 adapters) puts 3.4-3.7 µs a layer on
-gate/up's delta today; ``bench_decode_linear.py --augmented`` times 128 more columns at 0.6 µs alone (256, a
-plain GEMM over every slice's set, at 1.6) against today's 3.1. Measured in the engine (session 29) in the
-plain form, 256 more columns of W: slower, 1.141-1.144 -> 1.153 ms (the SiLU-and-mul's +3.5 µs in the layer's
-critical path gone, but the GEMM +3.3 and the norm about +1); parity vs HF + PEFT 0.0118 (the default 0.0087).
-This form (128 more columns), measured (session 30, H100, one call each, step_trace's graph replay): 1.140 -> 1.123 ms
-(base 0.960), and with the norms' folded shrink (``norm_shrink.FOLD``) 1.143 -> 1.111 (base 0.961-0.963), then with
-the vocab deltas skipped (``VocabExtras.adds_delta``) 1.101 -> 1.075 (base 0.961-0.964): on by default since.
+Why: on Qwen2.5-0.5B (H100, 8 adapters) the critical path (``step_trace.py``) had 3.4-3.7 µs a layer on gate/up's
+delta; ``bench_decode_linear.py --augmented`` times 128 more columns at 0.6 µs alone. Measured in the engine (H100,
+step_trace's graph replay): 1.140 -> 1.123 ms (base 0.960), and 1.143 -> 1.111 with the norms' folded shrink
+(``norm_shrink``). NOTE: a plain form, 256 more columns of W (a GEMM over every slice's set), was slower (1.141 ->
+1.153 ms: the GEMM +3.3 µs and the norm about +1) and was removed.
 
 Storage: the wider W is allocated once, when the LoRA wrapper is created (before any CUDA graph is captured),
 and the base layer's weight becomes a view of its first K columns (the same numbers, row stride K + S*R:
@@ -31,15 +27,11 @@ to x's; within the bf16 parity bound, not the bits of the default path.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-# On by default (measured faster, above); a module attribute
-ENABLED = os.environ.get("LORASERVE_DELTA_IN_K", "1") != "0"
 MAX_K = 1536  # the hidden sizes where it is taken (gated_lora.GATED_MAX_K's small models; Llama-8B's gate_up: 5.6 vs 5.1 µs)
 # S * R up to which it is taken: the GEMM reads every slot's columns whatever ranks a step uses, so its cost grows with
-# the slots (256 columns, the first form's, measured slower: session 29); 128 is what was measured faster (8 x 16)
+# the slots (256 columns, the plain form's, measured slower); 128 is what was measured faster (8 x 16)
 MAX_SLOT_COLUMNS = 128
 # The decode GEMM's K step and its largest column block (triton_decode_linear.default_tiles: 128 each)
 K_STEP = 128
@@ -64,9 +56,9 @@ def fits(weight: torch.Tensor, lora_b_stacked: tuple[torch.Tensor, ...]) -> bool
 
 
 def applies(weight: torch.Tensor, lora_b_stacked: tuple[torch.Tensor, ...], tp_size: int, sharded: bool) -> bool:
-    """Whether a layer takes its delta as more K: on (ENABLED), on the GPU, one rank, not the fully sharded wrappers
-    (their own set_lora), and shapes that ``fits``."""
-    return ENABLED and weight.is_cuda and tp_size == 1 and not sharded and fits(weight, lora_b_stacked)
+    """Whether a layer takes its delta as more K: on the GPU, one rank, not the fully sharded wrappers (their own
+    set_lora), and shapes that ``fits``."""
+    return weight.is_cuda and tp_size == 1 and not sharded and fits(weight, lora_b_stacked)
 
 
 def slot_columns(lora_b_stacked: tuple[torch.Tensor, ...]) -> int:
@@ -94,7 +86,8 @@ def refuse_past_range(lora_b: list[torch.Tensor | None], stack_dtype: torch.dtyp
     if not all(b is None or torch.isfinite(b.to(stack_dtype).to(w_dtype)).all() for b in lora_b):
         raise ValueError(
             f"slot {slot}: a LoRA B value is past {w_dtype}'s range (or not finite), which gate/up's delta as more K "
-            "would add to every token's product: serve this adapter with LORASERVE_DELTA_IN_K=0"
+            "would add to every token's product: a float16 model can serve it with --dtype bfloat16; NaN or inf "
+            "means the adapter file is broken"
         )
 
 

@@ -9,7 +9,7 @@ are cast to the weights' dtype, with fp32 accumulation, except where that would 
   (10 bits) is exact; casting x to fp16 could overflow (|x| > 65504) and casting to bf16 would drop 3
   bits of every weight. s stays fp32 into its product (no rounding to the weights' dtype). (The GPU's
   prefill shrink reaches the same exact products in fp16 MMAs: x cast to fp16, exact inside
-  [2^-17, 65504], a block with an x past 65504 redone in tf32; ``triton/lora_shrink.py``, ``FP16_X``.)
+  [2^-17, 65504], a block with an x past 65504 redone in tf32; ``triton/lora_shrink.py``, ``x_dot``.)
 
 Storage (``balance_to_fp16``): a GPU LoRA product with fp32 weights and half-precision activations is
 tf32, which reads 10 mantissa bits of each weight, what fp16 holds. fp16's range is what differs
@@ -22,14 +22,9 @@ on the GPU for bf16 models (their products were tf32); fp32 elsewhere.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 HALF = (torch.bfloat16, torch.float16)
-# A GEMM that computes a shrink from A's pieces in W's dtype reads only the first where every slot of the step has
-# its A exactly in that dtype (``BaseLinearLayerWithLoRA.gemm_shrink_rows``); LORASERVE_ONE_PIECE_WHERE_EXACT=0: both
-ONE_PIECE_WHERE_EXACT = os.environ.get("LORASERVE_ONE_PIECE_WHERE_EXACT", "1") != "0"
 MIXED_HALVES_IN_FP32 = True  # a knob: False multiplies bf16 x with fp16 weights in fp16 (benchmarks only)
 
 

@@ -10,52 +10,22 @@ alone); it was dropped.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-
 import torch
 
 from loraserve.layers import triton_decode_linear as decode
-from loraserve.lora.ops.triton import gated_lora, lora_prefill, norm_shrink, row_delta
+from loraserve.lora.ops.triton import gated_lora, norm_shrink, row_delta
 from loraserve.lora.ops.triton.lora_expand import lora_expand
 from loraserve.lora.ops.triton.lora_shrink import lora_shrink
 from loraserve.lora.ops.triton.utils import use_pdl
-from loraserve.lora.punica import FusedShrink, PendingDelta, PendingQKVDelta, SegmentMeta
+from loraserve.lora.punica import PendingDelta, PendingQKVDelta, SegmentMeta
 
 
 class TritonLoRAOps:
     def __init__(self, device: torch.device):
         self.device = device
-        self.fuses_linear = decode.enabled()  # linear_with_lora takes decode_linear (on by default, read once)
-        # where the shrink's split-K partials are summed: in the shrink (its last split, through an atomic
-        # counter), the default, or in the loads of the expand (or of decode_linear's epilogue):
-        # LORASERVE_SHRINK_REDUCE=0. Session 6 (H200, Llama-8B, 32 tokens, 8 adapters, CUDA graphs):
-        # LoRA cost per layer 31.0 µs summed in the shrink vs 33.5 summed by decode_linear's epilogue,
-        # whose every program (once per wave) pays for the plane loads (up to 16 at a time) after its K loop
-        self.shrink_reduces = os.environ.get("LORASERVE_SHRINK_REDUCE", "1") != "0"
         # id(ranks list) -> (the list, its contents when copied, int32 device copy). Layers keep their
         # ``slot_ranks`` list for life, so the id is stable; holding the list keeps the id unique.
         self._ranks: dict[int, tuple[list[int], tuple[int, ...], torch.Tensor]] = {}
-
-    @property
-    def fuses_norm(self) -> bool:
-        """Whether the decoder's norms may compute the shrink of the projection they feed (``norm_shrink``)."""
-        return norm_shrink.ENABLED
-
-    @property
-    def defers_delta(self) -> bool:
-        """Whether a row-parallel projection may leave its delta to the norm after it (``row_delta``)."""
-        return row_delta.ENABLED
-
-    @property
-    def gemm_shrinks(self) -> bool:
-        """Whether a deferred delta's shrink may be the GEMM's extra columns (``row_delta.GEMM_SHRINK``)."""
-        return row_delta.GEMM_SHRINK
-
-    @property
-    def defers_qkv_delta(self) -> bool:
-        """Whether qkv_proj may leave its delta to the attention's rotary launch (``row_delta.QKV_ENABLED``)."""
-        return row_delta.QKV_ENABLED
 
     def ranks_tensor(self, ranks: list[int]) -> torch.Tensor:
         """The device copy of a layer's per-slot ranks, refreshed in place when the list changed."""
@@ -87,17 +57,16 @@ class TritonLoRAOps:
     ) -> None:
         """y (T, sum N_i) += per-slice B_i(A_i x) per token's slot; y fp32 or the layer's dtype (rounded once).
 
-        The shrink then the expand (PDL-chained); with LORASERVE_FUSED_PREFILL=1 prefill-size segments
-        take ``lora_prefill``'s one launch instead (measured slower on an H100, so opt-in)."""
+        The shrink then the expand (PDL-chained).
+
+        NOTE: one launch for both at prefill sizes (each program's shrink tile, then its share of the expand
+        behind a grid-wide flag) was measured slower than these two launches and removed."""
         assert meta is not None, "the LoRA mapping has no SegmentMeta: build it with a CUDA device"
         rank_dev = self.ranks_tensor(ranks)
         max_rank = _max_rank(lora_a_stacked, ranks, meta)
         if max_rank == 0:
             return
-        if lora_prefill.applies(meta, lora_a_stacked[0].shape[2], len(lora_a_stacked)):
-            lora_prefill.lora_prefill(y, x, lora_a_stacked, lora_b_stacked, meta, rank_dev)
-            return
-        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces)
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank)
         lora_expand(y, buf, lora_b_stacked, meta, rank_dev, act_dtype=x.dtype)
 
     def linear_with_lora(
@@ -112,8 +81,7 @@ class TritonLoRAOps:
         token_slots: torch.Tensor,
         then_silu_and_mul: bool = False,
         shrunk: torch.Tensor | None = None,
-        then_shrink: Callable[[torch.Tensor], FusedShrink | None] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> torch.Tensor | None:
         """x W^T + b + the per-token LoRA delta as two launches (shrink, then the GEMM with the expand
         in its epilogue, PDL-overlapped; the shrink launches while the kernel before it runs when that
         kernel is a link of the PDL chain, utils.pdl_chain), or None where ``decode_linear`` does not apply (too many
@@ -128,16 +96,11 @@ class TritonLoRAOps:
 
         ``shrunk``: x's shrink as ``lora_shrink(..., zero_fill=True)`` writes it, computed by the launch
         that wrote x (``norm_shrink``): no shrink launch, and the GEMM is an ordinary link of the PDL
-        chain (it waits for that launch before reading x, so buf is complete too; with the gated path and
-        ``gated_lora.EARLY_DELTA`` it lets SiLU-and-mul launch only after that wait, ``trigger_after_wait``).
-
-        ``then_shrink`` (with ``then_silu_and_mul``): the ``fused_shrink_operands`` of the projection the
-        activation feeds (down): where they are given and ``gated_lora.shrink_supports`` its A, the gated
-        launch also computes the shrink of its output, and the result is (out, that shrink): down's ``shrunk``."""
+        chain (it waits for that launch before reading x, so buf is complete too)."""
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
         if then_silu_and_mul:
             gate_up = len(lora_b_stacked) == 2 and lora_b_stacked[0].shape == lora_b_stacked[1].shape
-            gate_up = gate_up and lora_b_stacked[0].shape[2] % gated_lora.DEFAULT_BLOCK_N == 0
+            gate_up = gate_up and lora_b_stacked[0].shape[2] % gated_lora.BLOCK_N == 0
             if tiles is None or not gate_up or not gated_lora.prefer(weight.shape[0], weight.shape[1]):
                 return None
         if tiles is None:
@@ -147,19 +110,8 @@ class TritonLoRAOps:
             return None if then_silu_and_mul else decode.decode_linear(x, weight, bias, tiles=tiles)
         buf, pdl = shrink
         if then_silu_and_mul:
-            # s computed by x's writer (the norm): the gated launch may read it before its wait (EARLY_DELTA)
-            early = shrunk is not None and gated_lora.EARLY_DELTA
-            y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl, trigger_after_wait=early)
-            down = None
-            if then_shrink is not None and gated_lora.SHRINK_ENABLED:
-                down = then_shrink(y[:, : y.shape[1] // 2])  # an input like the activation's output
-                if down is not None and not gated_lora.shrink_supports(down.lora_a, y, gated_lora.DEFAULT_BLOCK_N):
-                    down = None
-            if down is None:
-                return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, block_n=gated_lora.DEFAULT_BLOCK_N,
-                                                    s_ready=early)  # fmt: skip
-            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots, block_n=gated_lora.DEFAULT_BLOCK_N,
-                                                down=(down.lora_a, down.ranks), s_ready=early)  # fmt: skip
+            y = decode.decode_linear(x, weight, bias, tiles=tiles, after_shrink=pdl)
+            return gated_lora.silu_and_mul_lora(y, buf, lora_b_stacked, token_slots)
         epilogue = decode.ExpandEpilogue(buf, lora_b_stacked, token_slots, pdl=pdl)
         return decode.decode_linear(x, weight, bias, lora=epilogue, tiles=tiles)
 
@@ -179,11 +131,10 @@ class TritonLoRAOps:
         in_k: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
         """(RMSNorm(x + residual), x + residual, the output's shrink) in one launch (``norm_shrink``), where
-        it is on (the default; LORASERVE_NORM_SHRINK=0 turns it off), the kernel supports the shapes, some
-        slot has a rank, and ``linear_with_lora`` of the output with this GEMM ``weight`` takes the decode path; else None.
+        the kernel supports the shapes, some slot has a rank, and ``linear_with_lora`` of the output with this GEMM ``weight`` takes the decode path; else None.
         ``delta``: x's pending delta (``row_delta``), added to x first in the same launch. ``in_k``: the shrink
         as x's extra columns (``delta_in_k``; the third result is that wider x)."""
-        if not self.fuses_norm or x.dim() != 2 or not norm_shrink.supports(x, lora_a_stacked):
+        if x.dim() != 2 or not norm_shrink.supports(x, lora_a_stacked):
             return None
         if torch.promote_types(norm_weight.dtype, x.dtype) != x.dtype:
             return None  # the norm's output (weight * x's dtype) would not be what decode_linear takes
@@ -205,9 +156,9 @@ class TritonLoRAOps:
         on first call, so only where this path gets that far) where ``row_delta.shrink_in_gemm`` takes them, no
         shrink launch: the GEMM's extra column blocks compute every slot's shrink, a plane per piece
         (``decode_linear(shrink_into=...)``), and the reader sums the planes of its token's slot's columns.
-        Where ``row_delta`` is on (the default; LORASERVE_DEFER_DELTA=0 turns it off), one slice,
-        ``row_delta.supports`` B, some slot has a rank and the decode GEMM applies; else None."""
-        if not row_delta.ENABLED or len(lora_b_stacked) != 1 or not row_delta.supports(x.dtype, lora_b_stacked[0]):
+        Where there is one slice, ``row_delta.supports`` B, some slot has a rank and the decode GEMM applies;
+        else None."""
+        if len(lora_b_stacked) != 1 or not row_delta.supports(x.dtype, lora_b_stacked[0]):
             return None
         tiles = self._decode_tiles(x, weight, lora_b_stacked, meta)
         if tiles is None:
@@ -235,10 +186,10 @@ class TritonLoRAOps:
         """(x W^T + b, qkv's delta left to the attention's rotary + KV-cache launch): the plain decode GEMM, which
         lets that launch start only after its own wait for the input norm (``trigger_after_wait``), so that
         the launch reads the norm's shrink (``shrunk``) and computes the delta before its wait, while the GEMM
-        still runs. Where ``row_delta.QKV_ENABLED``, K is at most ``QKV_MAX_HIDDEN``, the norm computed x's shrink,
-        three slices (q, k, v) whose B ``row_delta.supports`` (any width), some slot has a rank and the decode GEMM
-        applies; else None."""
-        if not row_delta.QKV_ENABLED or shrunk is None or len(lora_b_stacked) != 3:
+        still runs. Where K is at most ``row_delta.QKV_MAX_HIDDEN``, the norm computed x's shrink, three slices
+        (q, k, v) whose B ``row_delta.supports`` (any width), some slot has a rank and the decode GEMM applies;
+        else None."""
+        if shrunk is None or len(lora_b_stacked) != 3:
             return None
         if x.shape[-1] > row_delta.QKV_MAX_HIDDEN:
             return None  # a large model's qkv keeps its epilogue (QKV_MAX_HIDDEN)
@@ -250,19 +201,10 @@ class TritonLoRAOps:
         y = decode.decode_linear(x, weight, bias, tiles=tiles, trigger_after_wait=True)
         return y, PendingQKVDelta(shrunk, tuple(lora_b_stacked), token_slots)
 
-    def fused_shrink(self, x_like, lora_a_stacked, lora_b_stacked, ranks, weight, meta, token_slots) -> FusedShrink | None:
-        """``PunicaWrapper.fused_shrink``: a one-slice layer whose product of an x like x_like takes the decode
-        path with a shrink (some slot has a rank), so that its x's writer may compute that shrink."""
-        if len(lora_a_stacked) != 1 or _max_rank(lora_a_stacked, ranks, meta) == 0:
-            return None
-        if self._decode_tiles(x_like, weight, lora_b_stacked, meta) is None:
-            return None
-        return FusedShrink(lora_a_stacked[0], self.ranks_tensor(ranks), token_slots)
-
     def _decode_tiles(self, x, weight, lora_b_stacked, meta) -> decode.DecodeTiles | None:
         """The decode GEMM's tiles for this LoRA'd product, or None where ``decode_linear`` does not apply
         (no device mapping, too many tokens, fp32, slices that are not multiples of its column block)."""
-        if meta is None or not self.fuses_linear:
+        if meta is None:
             return None
         slices = tuple(b.shape[2] for b in lora_b_stacked)
         tiles = decode.default_tiles(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, slices)
@@ -288,7 +230,7 @@ class TritonLoRAOps:
         max_rank = _max_rank(lora_a_stacked, ranks, meta)
         if max_rank == 0:
             return None
-        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, reduce=self.shrink_reduces, zero_fill=True)
+        buf = lora_shrink(x, lora_a_stacked, meta, rank_dev, max_rank, zero_fill=True)
         return buf, use_pdl(x.device) and meta.num_segs > 0
 
     def add_lora_embedding(

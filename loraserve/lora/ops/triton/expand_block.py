@@ -5,11 +5,9 @@
 What ``decode_linear``'s epilogue adds after its K loop, laid out transposed as its accumulator is
 (columns along the MMA's M, the few tokens along its N).
 
-NOTE: the same delta in a launch of its own after the GEMM (``lora_expand_dense``, chained by PDL and
-loading B while the GEMM ran) was measured slower (session 7, H200, Llama-8B, 32 tokens, 8 fp32
-adapters: 36.4 vs 23.8 µs of LoRA cost per layer in ``--matrix``; the 8-adapter step 5.87 vs 5.83 ms)
-and was removed (commit bfb8465 has it): the extra launch and its wait cost more than the epilogue's
-loads of B.
+NOTE: the same delta in a launch of its own after the GEMM (chained by PDL and loading B while the GEMM
+ran) was measured slower (H200, Llama-8B, 32 tokens, 8 fp32 adapters: 36.4 vs 23.8 µs of LoRA cost per
+layer) and was removed: the extra launch and its wait cost more than the epilogue's loads of B.
 
 Numerics: s is rounded to the products' dtype LORA_CDT (``precision.compute_dtype``: B's, or fp32 for
 fp32 B and for fp16 B with bf16 activations; the reference's intermediate is the same), multiplied in
@@ -17,8 +15,6 @@ it (tf32 for fp32 with half activations, true fp32 with LORA_IEEE), accumulated 
 """
 
 from __future__ import annotations
-
-import os
 
 import triton
 import triton.language as tl
@@ -64,7 +60,7 @@ def lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R: tl.constexpr, BLOCK_N: t
     slot chunk + c // BLOCK_R, rank index c % BLOCK_R.
 
     NOTE: loading it through a 3-D block pointer (slots, rows, ranks), which spares a tile of 64-bit
-    addresses, measured the same (H200, session 9: 24.7 vs 25.0 µs of
+    addresses, measured the same (H200: 24.7 vs 25.0 µs of
     LoRA cost per layer, fp32 B; 33.2 capped at 168 registers) and was removed."""
     offs_c = tl.arange(0, SLOTS_PER_CHUNK * BLOCK_R)
     c_r = offs_c % BLOCK_R
@@ -87,8 +83,8 @@ def slot_columns(h_base, stride_bm, stride_bsp, slot, m_mask, chunk, n_planes, R
 
     A gather: each column loads its token's rank c % BLOCK_R only where the token's slot is the column's,
     so that tokens without a slot (-1) load nothing, whatever their rows hold (NaN included).
-    NOTE: until session 13 each token's h (BLOCK_M, BLOCK_R) was loaded, broadcast to the chunk's columns
-    and selected; Nsight Compute (benchmarks/gpu/profile_epilogue.py) showed that epilogue at ~640
+    NOTE: loading each token's h (BLOCK_M, BLOCK_R), broadcast to the chunk's columns and selected, was the
+    first form; Nsight Compute showed that epilogue at ~640
     instructions a warp with one warp per scheduler, nothing to hide their latency, and the B load's
     shared-memory store waiting before h's loads were issued (two round trips).
     """
@@ -122,7 +118,7 @@ def block_delta(
     slot (zeros past its rank), read after the PDL wait (USE_PDL). The slots (mapping, written before the
     forward) are loaded before it; s and then B after it, so that both loads are in flight before the
     first of them is used (B's store into shared memory for the MMA waits for B: issued first, it held
-    back s's loads by a round trip, ncu session 13; half-precision B was pulled into L2 during the K loop,
+    back s's loads by a round trip, as Nsight Compute showed; half-precision B was pulled into L2 during the K loop,
     fp32 B is not by default: ``prefetch_ahead``).
     """
     sl, b_ptr, stride_ws, n_loc0 = lora_slice(
@@ -141,7 +137,7 @@ def block_delta(
     delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     h_base = buf_ptr + sl * stride_bi
     # NOTE: num_stages=1: the kernel's num_stages would software-pipeline this loop too (5 buffers of s and B
-    # in shared memory, 240 KB for qkv: OutOfResources on the H200, session 13)
+    # in shared memory, 240 KB for qkv: OutOfResources on the H200)
     for chunk in tl.range(0, S, SLOTS_PER_CHUNK, num_stages=1):
         sx = slot_columns(h_base, stride_bm, stride_bsp, slot, m_mask, chunk, SPLIT_K, R, BLOCK_M, BLOCK_R, SLOTS_PER_CHUNK, RED)
         b = lora_b_chunk(b_ptr, stride_ws, n_loc0, chunk, S, R, BLOCK_N, BLOCK_R, SLOTS_PER_CHUNK)
@@ -149,14 +145,12 @@ def block_delta(
     return delta
 
 
-# Knob (a module attribute: bench_decode_linear.py --matrix sweeps it; LORASERVE_EPILOGUE_COLUMNS sets it): the
-# most columns of (slot, r) per MMA of the epilogue. Fewer columns, more chunks (a round trip each), but
-# fewer registers: compiled for sm_90 as a launch specializes it (benchmarks/gpu/kernel_resources.py),
-# decode_linear's LoRA variant took (session 9) 157-166 registers at 128 columns (fp32 B), 112-124 at 64, 80-94 at
-# 32, none spilled; its pipeline's shared memory (96-120 KB) is what limits the programs per SM, with
-# or without LoRA. Timed on the H200 (session 9, 8 fp32 slots, LoRA cost per layer): 25.0 µs at 128,
-# 24.3 at 64, 31.9 at 32 (the 8-adapter step 5.76 vs 5.55 ms).
-MMA_COLUMNS = int(os.environ.get("LORASERVE_EPILOGUE_COLUMNS", "128"))
+# The most columns of (slot, r) per MMA of the epilogue. Fewer columns, more chunks (a round trip each), but
+# fewer registers: compiled for sm_90 (benchmarks/gpu/kernel_resources.py), decode_linear's LoRA variant took
+# 157-166 registers at 128 columns (fp32 B), 112-124 at 64, 80-94 at 32, none spilled; its pipeline's shared
+# memory (96-120 KB) is what limits the programs per SM, with or without LoRA. Timed on the H200 (8 fp32 slots,
+# LoRA cost per layer): 25.0 µs at 128, 24.3 at 64, 31.9 at 32 (the 8-adapter step 5.76 vs 5.55 ms).
+MMA_COLUMNS = 128
 
 
 def slots_per_chunk(n_slots: int, block_r: int) -> int:

@@ -10,7 +10,6 @@ for fp32 B and for fp16 B with bf16 activations), multiplies, accumulates in fp3
   which equals ``(y.float() + delta).to(y.dtype)`` without the two extra passes over y.
 
 Each output element belongs to exactly one token, hence one slot and one program: no atomics.
-(``lora_prefill``'s opt-in one launch picks its expand items' slice with ``tile_slice`` as here.)
 """
 
 from __future__ import annotations
@@ -134,7 +133,7 @@ def _lora_expand_kernel(
         # launched early (PDL): the mapping and B were written before this forward; buf (the shrink's)
         # and y are read only after the kernel before us has finished and flushed.
         # NOTE: y loaded before this wait (legal: the shrink lets us launch only after its own wait) was
-        # measured no faster at 4096 tokens (H200, session 9: qkv 55.9 vs 56.5 µs, gate_up 164.8 vs
+        # measured no faster at 4096 tokens (H200: qkv 55.9 vs 56.5 µs, gate_up 164.8 vs
         # 164.6) and was removed
         tl.extra.cuda.gdc_wait()
     # (BLOCK_M, BLOCK_R): the shrink's partials, summed in fp32, then rounded to the products' dtype
@@ -155,7 +154,7 @@ class PrefillTiles:
     (block_m tokens, block_n columns) tile. A knob: ``bench_lora_kernels.py --tune-prefill`` sweeps
     it at 4096 tokens.
 
-    Defaults from that sweep (H200, session 9; 4096 tokens, 8 adapters, rank 16, bf16 / fp32 LoRA
+    Defaults from that sweep (H200; 4096 tokens, 8 adapters, rank 16, bf16 / fp32 LoRA
     weights, µs alone): 32 x 128 on 4 warps, qkv 35.8 / 38.2, gate_up 138.9 / 149.4, against 64 x 64's
     39.1 / 39.0 and 151.2 / 153.3 (the least time summed over the four cases).
     """

@@ -10,36 +10,33 @@ zeros instead: every column of a token with a slot is written.
 Split-K (decode sizes have few segments, so K is split to keep the SMs streaming A): every split
 writes its partial to its own plane of ``buf``; the last program of a group to arrive (an atomic
 counter) sums the planes in plane order, up to 16 independent loads at a time, and writes the total
-to plane 0 (``reduce=True``, the engine's default); or (LORASERVE_SHRINK_REDUCE=0) each split keeps
-its plane and the reader (the expand, or decode_linear's epilogue) sums them the same way while
-loading. Either is deterministic and needs no zeroing. Summing here measured cheaper at decode
-(H200, Llama-8B, 32 tokens, 8 adapters: 31.0 vs 33.5 µs of LoRA cost per layer, BENCHMARKS.md
-session 6): decode_linear's epilogue runs once per wave of its programs, after the K loop, where
-the plane loads are latency nobody hides; here they are one program's tail per group.
+to plane 0: deterministic, and no zeroing. Summing here measured cheaper at decode than leaving the
+planes to the reader (H200, Llama-8B, 32 tokens, 8 adapters: 31.0 vs 33.5 µs of LoRA cost per layer):
+decode_linear's epilogue runs once per wave of its programs, after the K loop, where the plane loads
+are latency nobody hides; here they are one program's tail per group.
 
 At decode sizes each program's K range is a single block. A program of one slice (fp32 A) loads its
 tile of A (weights, written before the forward) before the PDL wait, overlapping the previous kernel's
 tail, and x after it. A program of half-precision A (bf16, or fp16: auto's GPU storage for bf16
-models) computes every slice of its tile (``DECODE_FUSE_SLICES``) and loads A after the wait (measured
-faster that way, session 10; with fp16 A, 16.2 against 17.6 µs a layer with fp32's knobs, session 14).
-Prefill (segments longer than 32 tokens) takes ``PREFILL``'s tiles, where by default a program owns
-every slice of its tile and loads each tile of x once for all of them. (``lora_prefill``'s opt-in one
-launch, shrink and expand together, shares ``slices_dot``; measured slower, it is off by default.)
+models) computes every slice of its tile (``_fuse_decode``) and loads A after the wait (measured
+faster that way: with fp16 A 16.2 against 17.6 µs a layer; with fp32 A the other way, 24.9 against
+27.9, the tile of fp32 A it loads after the wait being twice the bytes). Prefill (segments longer
+than 32 tokens) takes ``PREFILL``'s tiles, where a program owns every slice of its tile and loads each
+tile of x once for all of them.
 
 NOTE: at prefill (the prefill tiles), bf16 x with fp16 A (auto's GPU storage) casts x to fp16 and
-multiplies in fp16 (``FP16_X``, ``x_dot``; decode keeps tf32): fp16 holds every bf16 value in [2^-17, 65504] exactly (8 significant bits in 11), so the
-products are exact as with tf32, without x's fp32 copy in shared memory (the tf32 shrink, session 14,
-qkv at 4096 tokens: 29.6 µs against bf16 A's 22.0). x below 2^-17 rounds to fp16's subnormal grid
-(absolute error <= 2^-25 per entry). An x past 65504 becomes inf, and its block's sums inf or NaN
-(products of finite fp16 cannot overflow fp32); a block whose sums are not finite (``overflowed``: one
-reduction after the K loop) is computed again in tf32, and those are its sums, so outliers cost time,
-never accuracy. Splitting A into two bf16 halves instead (hi + lo, two bf16 MMAs) was slower (session 14:
-33.3 µs) and spilled at decode; it was removed.
+multiplies in fp16 (``x_dot``; decode keeps tf32, where fp16 measured slower: 22.1 against 15.7 µs of
+LoRA a layer): fp16 holds every bf16 value in [2^-17, 65504] exactly (8 significant bits in 11), so the
+products are exact as with tf32, without x's fp32 copy in shared memory (qkv's shrink at 4096 tokens
+17.0 against 24.1 µs). x below 2^-17 rounds to fp16's subnormal grid (absolute error <= 2^-25 per
+entry). An x past 65504 becomes inf, and its block's sums inf or NaN (products of finite fp16 cannot
+overflow fp32); a block whose sums are not finite (``overflowed``: one reduction after the K loop) is
+computed again in tf32, and those are its sums, so outliers cost time, never accuracy. Splitting A into
+two bf16 halves instead (hi + lo, two bf16 MMAs) was slower and spilled at decode; it was removed.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +59,8 @@ from loraserve.lora.punica import SegmentMeta
 def _out_mask(m_mask, offs_r, R, EVEN_R: tl.constexpr):
     """The mask of a (BLOCK_M, BLOCK_R) tile of buf: the block's tokens, and columns r < R unless EVEN_R (R a
     multiple of BLOCK_R, so every column of the grid is < R): a mask constant along r lets the compiler store
-    and load 16 bytes a thread instead of 4 (R is a runtime value; ncu, session 13: the prefill shrink's
-    partial stores and plane loads used a quarter of each sector)."""
+    and load 16 bytes a thread instead of 4 (R is a runtime value; Nsight Compute showed the prefill shrink's
+    partial stores and plane loads using a quarter of each sector)."""
     if EVEN_R:
         r_ok = tl.full(offs_r.shape, 1, tl.int1)  # a splat: the compiler sees the mask constant along r
     else:
@@ -278,7 +275,7 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     RED: tl.constexpr,  # planes a group's last split loads at once (1: no reduction here, see REDUCE)
-    REDUCE: tl.constexpr,  # sum the splits here (the last arrival); else each split keeps its plane
+    REDUCE: tl.constexpr,  # SPLIT_K > 1: the last arrival sums the splits into plane 0
     ONE_CHUNK: tl.constexpr,  # k_per_split == BLOCK_K: one tile of A per program, loaded before the wait
     ZERO_FILL: tl.constexpr,  # programs past their slot's rank store zeros (the columns the readers see)
     FUSE_SLICES: tl.constexpr,  # a program computes every slice of its tile (x read once), not one
@@ -326,72 +323,34 @@ def _lora_shrink_kernel(
                           IEEE, X16, USE_PDL, EVEN_R, slot, seg, seg_start, seg_len, rank, rblock, split, sl, pid_m)  # fmt: skip
 
 
-# Tuning knobs (module attributes, so that benchmarks/gpu/bench_decode_linear.py --matrix can sweep them):
-def _decode_block_k(value: str) -> tuple[int, int]:
-    parts = value.split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) % 16 == 0 and int(p) > 0 for p in parts):
-        raise ValueError(
-            f"LORASERVE_SHRINK_DECODE_BLOCK_K={value!r}: give two multiples of 16, the K block for K <= 8192 "
-            "and beyond, e.g. 256,512"
-        )
-    return int(parts[0]), int(parts[1])
-
-
-def _flag_env(name: str) -> bool | None:
-    """An on/off knob from the environment: "1" on, "0" off, None when unset or empty (the default)."""
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: give 1 (on), 0 (off), or unset it for the default")
-    return value == "1"
-
-
-# the decode K block for K <= 8192 and beyond (LORASERVE_SHRINK_DECODE_BLOCK_K="256,512" sets it)
-DECODE_BLOCK_K = _decode_block_k(os.environ.get("LORASERVE_SHRINK_DECODE_BLOCK_K", "256,512"))
-# Segments over 32 tokens (the prefill tiles; CUDA graph buckets of more than 32 sequences take them too)
-# with bf16 x and fp16 A (auto's GPU storage for bf16 models) and tf32 as the products' dtype: x cast to
-# fp16 and fp16 products (x_dot), a block whose sums come out non-finite (an x past 65504) computed again
-# in tf32; False: always tf32. The decode tiles keep tf32: there the fp16 path measured slower (H200,
-# session 18, --matrix at 32 tokens: LoRA cost 22.1 against 15.7 µs a layer; down 9.3 against 4.1), on
-# the prefill tiles faster (qkv's shrink at 4096 tokens 17.0 against 24.1 µs back to back; graph buckets
-# of 48 and 64 sequences are not timed). LORASERVE_SHRINK_FP16_X=0 turns it off.
-FP16_X = _flag_env("LORASERVE_SHRINK_FP16_X") is not False
-PREFETCH_A = True  # at decode sizes, a one-slice program loads its tile of A before the PDL wait
-# At decode sizes, whether a program computes every slice of its tile (x loaded once; a third of the
-# programs for qkv, half for gate_up; A loaded after the PDL wait). None: for half-precision A only.
-# Timed (H200, session 10, --matrix, LoRA cost per layer of the fused op, one call): bf16 A 16.4 vs 17.9
-# µs; fp32 A 27.9 vs 24.9 (qkv 7.8 vs 5.1: the tile of fp32 A it loads after the wait is twice the
-# bytes). Loading its tiles of A before the wait (commit ebcc226) measured 17.1 with bf16 A (vs 17.7
-# with neither decode knob) and 24.5 with fp32 A (vs 25.0; the 8-adapter step 1.156x vs 1.159x, noise),
-# and was reverted. LORASERVE_SHRINK_FUSE_DECODE=1 / 0 forces it.
-DECODE_FUSE_SLICES: bool | None = _flag_env("LORASERVE_SHRINK_FUSE_DECODE")
+# The decode K block for K <= 8192 and beyond
+DECODE_BLOCK_K = (256, 512)
 
 
 def _fuse_decode(a_dtype: torch.dtype) -> bool:
-    return DECODE_FUSE_SLICES if DECODE_FUSE_SLICES is not None else a_dtype != torch.float32
+    """At decode sizes, whether a program computes every slice of its tile (x loaded once; a third of the programs
+    for qkv, half for gate_up; A loaded after the PDL wait): for half-precision A (the module's docstring)."""
+    return a_dtype != torch.float32
 
 
 @dataclass(frozen=True)
 class PrefillTiles:
-    """The launch of segments longer than 32 tokens (prefill). A knob: ``bench_lora_kernels.py
-    --tune-prefill`` sweeps it at 4096 tokens.
+    """The launch of segments longer than 32 tokens (prefill); ``bench_lora_kernels.py --tune-prefill`` sweeps it
+    at 4096 tokens.
 
-    Session 9's pick from that sweep (H200; 4096 tokens, 8 adapters, rank 16, bf16 / fp32 LoRA
-    weights, µs alone): every slice in one program, 64 x 64 tiles, 4 stages, K split to ~256 programs:
-    qkv 24.5 / 32.4, gate_up 22.2 / 28.3, against one slice a program at 512 programs' 25.8 / 38.1 and
-    23.8 / 31.3 (the least time summed over the four cases). Still 29-38% of copy bandwidth: x's 33.5
-    MB take ~24 µs where a copy would move them in 8. Session 13's sweep (up to 1024 programs, 3-5 stages)
-    kept these. Profiled (ncu, session 13, qkv with bf16 A; BENCHMARKS.md): 1.9 programs resident per SM
-    of the 4 that fit, 13% of the warp samples before the K loop (the chain of segment, slot, rank and
-    token loads), 21% after it (the split-K tail), and the loop waiting at its pipeline barrier.
+    The pick from that sweep (H200; 4096 tokens, 8 adapters, rank 16, bf16 / fp32 LoRA weights, µs alone):
+    every slice in one program, 64 x 64 tiles, 4 stages, K split to ~256 programs: qkv 24.5 / 32.4, gate_up
+    22.2 / 28.3, against one slice a program at 512 programs' 25.8 / 38.1 and 23.8 / 31.3 (the least time
+    summed over the four cases). Still 29-38% of copy bandwidth: x's 33.5 MB take ~24 µs where a copy would
+    move them in 8. Profiled (Nsight Compute, qkv with bf16 A): 1.9 programs resident per SM of the 4 that
+    fit, 13% of the warp samples before the K loop (the chain of segment, slot, rank and token loads), 21%
+    after it (the split-K tail), and the loop waiting at its pipeline barrier.
 
-    Session 18 (H200) timed the sweep back to back (``benchmarks/gpu/steady_state.py --sweep-shrink``: no
-    L2 flush between runs, so no other kernel's dirty lines to write back) with fp16 A and fp16 products:
-    64 x 128 tiles on 3 stages, 256 programs, had the least shrink time summed over qkv / gate_up / o /
-    down (71.3 µs against 74.5; qkv 14.5 against 16.9). In the whole op (shrink + expand, back to back)
-    they made qkv slower (49.2 against 47.1 µs) and gate_up too (157.7 against 151.6), so the 2-3 slice
-    layers keep these tiles; the one-slice layers took them (``PREFILL_ONE_SLICE``).
+    Timed back to back (one graph over many sets of inputs, no L2 flush between runs) with fp16
+    A and fp16 products, 64 x 128 tiles on 3 stages, 256 programs, had the least shrink time summed over qkv /
+    gate_up / o / down (71.3 µs against 74.5), but in the whole op (shrink + expand) they made qkv slower (49.2
+    against 47.1 µs) and gate_up too (157.7 against 151.6), so the 2-3 slice layers keep these tiles and the
+    one-slice layers took them (``PREFILL_ONE_SLICE``).
     """
 
     block_m: int = 64
@@ -403,9 +362,8 @@ class PrefillTiles:
 
 
 PREFILL = PrefillTiles()
-# One-slice layers (o, down) at prefill: session 18's back-to-back sweep's pick (the whole op, fp16 weights:
-# o 34.2 against 34.8 µs, down 57.8 against 58.9; fp32 weights 0.4-0.7 µs slower). Before it, 64 x 64 tiles,
-# 512 programs, 3 stages: the tiles before session 9's sweep, which timed only the 2-3 slice layers
+# One-slice layers (o, down) at prefill: the back-to-back sweep's pick (the whole op, fp16 weights: o 34.2 against
+# 34.8 µs with 64 x 64 tiles, 512 programs, 3 stages; down 57.8 against 58.9; fp32 weights 0.4-0.7 µs slower)
 PREFILL_ONE_SLICE = PrefillTiles(
     block_m=64, block_k=128, programs=256, num_warps=4, num_stages=3, fuse_slices=False
 )
@@ -416,7 +374,7 @@ def _prefill_tiles(n_slices: int) -> PrefillTiles:
 
 
 def _pick_blocks(
-    meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int, tiles: PrefillTiles
+    meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int, tiles: PrefillTiles, decode_block_k: tuple[int, int]
 ) -> tuple[int, int, int]:
     # (n_slices: the slices on the grid, 1 when a program computes them all)
     """(BLOCK_M, BLOCK_K, SPLIT_K): enough programs to fill the chip at decode sizes.
@@ -433,7 +391,7 @@ def _pick_blocks(
     if longest <= 32:
         # NOTE: from K alone, not from how many adapters the batch has: eager steps and CUDA graphs
         # (whose static meta has a segment per slot) then split alike and sum the same partials
-        block_k = DECODE_BLOCK_K[0] if K <= 8192 else DECODE_BLOCK_K[1]
+        block_k = decode_block_k[0] if K <= 8192 else decode_block_k[1]
         return block_m, block_k, triton.cdiv(K, block_k)
     block_k = tiles.block_k
     split = 1
@@ -455,13 +413,12 @@ def lora_shrink(
     ranks: torch.Tensor,
     max_rank: int,
     block_r: int = 16,
-    reduce: bool = True,
     zero_fill: bool = False,
+    decode_block_k: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (P, n_slices, T, R) fp32 whose planes sum to x @ A_i[slot]^T.
-
-    ``reduce``: the kernel sums its split-K partials itself, P = 1 (the engine's default); else P = the
-    split and the reader (``lora_expand``, decode_linear's epilogue) sums the planes while loading them.
+    """x (T, K) with lora_a[i] (S, 1, R, K) -> buf (1, n_slices, T, R) fp32 = x @ A_i[slot]^T (the kernel sums its
+    split-K partials itself). ``decode_block_k``: the decode K block for K <= 8192 and beyond (None:
+    DECODE_BLOCK_K; benchmarks sweep it).
     ``max_rank``: the largest of ``ranks`` in use (at most R). Rows of tokens with a slot are written
     at columns r < ranks[slot], which is all ``lora_expand`` reads; with ``zero_fill`` every column (up
     to R) of those rows is, zeros past the slot's rank, so that a reader needs no rank (decode_linear's
@@ -491,7 +448,7 @@ def lora_shrink(
     n_rblocks = triton.cdiv(R if zero_fill else max(max_rank, 1), block_r)
     tiles = _prefill_tiles(n)
     fuse = n > 1 and (tiles.fuse_slices if meta.max_seg_len > 32 else _fuse_decode(a0.dtype))
-    block_m, block_k, split = _pick_blocks(meta, 1 if fuse else n, n_rblocks, K, tiles)
+    block_m, block_k, split = _pick_blocks(meta, 1 if fuse else n, n_rblocks, K, tiles, decode_block_k or DECODE_BLOCK_K)
     buf = _new_buf((split, n, T, R), x.device)
     if meta.num_segs == 0 or T == 0:
         return buf[:1]  # nothing is read
@@ -500,7 +457,7 @@ def lora_shrink(
     a1 = lora_a[1] if n > 1 else a0
     a2 = lora_a[2] if n > 2 else a0
     grid = (split * n_rblocks * (1 if fuse else n), triton.cdiv(meta.max_seg_len, block_m), meta.num_segs)
-    reduce = reduce and split > 1
+    reduce = split > 1
     cnt = buf
     if reduce:
         cnt = persistent_buffer(x.device, "lora_shrink/arrivals", n * n_rblocks * grid[1] * grid[2])
@@ -514,10 +471,11 @@ def lora_shrink(
         a0.stride(0), a0.stride(2), a0.stride(3),
         buf.stride(0), buf.stride(1), buf.stride(2), R,
         NUM_SLICES=n, NUM_RBLOCKS=n_rblocks, SPLIT_K=split,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce, ONE_CHUNK=PREFETCH_A and k_per_split == block_k,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, RED=min(triton.next_power_of_2(split), 16), REDUCE=reduce,
+        ONE_CHUNK=k_per_split == block_k,
         ZERO_FILL=zero_fill, FUSE_SLICES=fuse,
         CDT=tl_dtype(cdt), IEEE=cdt == torch.float32 and x.dtype == torch.float32,
-        X16=FP16_X and prefill and cdt == torch.float32 and x.dtype == torch.bfloat16 and a0.dtype == torch.float16,
+        X16=prefill and cdt == torch.float32 and x.dtype == torch.bfloat16 and a0.dtype == torch.float16,
         USE_PDL=pdl, EVEN_R=R % block_r == 0, launch_pdl=pdl, **launch,
     )  # fmt: skip
-    return buf[:1] if reduce else buf
+    return buf[:1]

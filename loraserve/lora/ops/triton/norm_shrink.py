@@ -1,26 +1,25 @@
 """RMSNorm (with the residual add before it, or without) and the LoRA shrink of the projection it feeds,
-in one launch: what a decode step's input and post-attention norms can run when their output is x of a
-LoRA'd qkv or gate/up projection (on by default: ``ENABLED``; ``LORASERVE_NORM_SHRINK=0`` turns it off).
+in one launch: what a decode step's input and post-attention norms run when their output is x of a
+LoRA'd qkv or gate/up projection.
 
     out, residual' = the norm's own numbers (``triton_elementwise``'s kernels, the same jit helper)
     buf[0, i, t, r] = sum_k A_i[slot(t), r, k] * out[t, k]      (fp32; zeros for r >= rank(slot(t)))
-                    (``FOLD``, the default for rows up to FOLD_MAX_BLOCK: the same of the unrounded norm)
+                    (``fold``, for rows up to FOLD_MAX_BLOCK: the same of the unrounded norm)
 
 Why: on a small model's decode step every launch is latency, and the separate shrink sits between the
 norm and the GEMM's epilogue, which waits for it. Here a program loads its tile of A (weights, and the
 token's slot: the mapping, written before the forward) before its PDL wait, while the kernel before it
 runs; after the wait it normalizes its row and dots it with that tile. The GEMM that follows is then an
 ordinary link of the PDL chain (it waits for this launch, so for buf too) and no shrink launch is left.
-Measured (session 20, H100, CUDA graphs, 32 tokens, 8 adapters): Qwen2.5-0.5B's step 1.387 -> 1.344 ms
-(step_trace.py; base 1.005), bench_e2e 1.34x -> 1.29x the base; Llama-8B's 6.714 -> 6.705 ms (1.074x -> 1.072x).
+Measured (H100, CUDA graphs, 32 tokens, 8 adapters): Qwen2.5-0.5B's step 1.387 -> 1.344 ms (base 1.005);
+Llama-8B's 6.714 -> 6.705 ms.
 
 Layout: program (t, j) owns token t and rank block j % NUM_RBLOCKS of slice j // NUM_RBLOCKS; each
 program recomputes its row's norm (one row of x, and of the residual: a few KB), and only j == 0 stores
 the norm's outputs. It runs on as many warps as the norm kernels (``num_warps``): the same layout of
 the row, so the same order of the variance's fp32 sum and the same bits (compiled for sm_90, a 256-wide
-row is laid out over 1 warp at the norm kernels' count and over 4 at the 4 warps this kernel first took:
-another reduction order). A tile of A, (BLOCK_R, next_pow2(K)), sits in registers: hidden sizes up to
-``MAX_HIDDEN``.
+row is laid out over 1 warp at the norm kernels' count and over 4 at 4 warps: another reduction order).
+A tile of A, (BLOCK_R, next_pow2(K)), sits in registers: hidden sizes up to ``MAX_HIDDEN``.
 
 Numbers: the products of a half-precision A and the rounded norm output are exact in fp32, and the sum
 is fp32, as the shrink's tf32 MMA (exact products for half operands, fp32 sums) in another order. fp32 A
@@ -28,40 +27,29 @@ is fp32, as the shrink's tf32 MMA (exact products for half operands, fp32 sums) 
 the separate shrink. Every column r < R of a token with a slot is written (what decode_linear's epilogue
 and ``gated_lora`` read: they load no rank); rows of base tokens are not.
 
-``FOLD`` (on by default since session 30): s = rstd * sum_k (A[r, k] * w[k]) * x'[k] (x' the row after the add, rstd its RMS scale:
-the norm's own numbers), every product and sum in fp32. The two sums after the wait (the variance's and the
-shrink's) no longer run one after the other, and A * w is computed before it. The shrink then skips the norm
-output's roundings (to x's dtype before the weight, to out's after): it is the exact shrink of the unrounded
-norm to fp32 precision, where the default is the exact shrink of the rounded one; the two differ by those
-roundings (2^-9 relative an element, a bf16 output), the size of the difference between PEFT's bf16 and fp32 runs.
-Measured (session 30, H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs, step_trace, one call): with gate/up's
-delta as more K 1.129 -> 1.111 ms (base 0.961-0.963), the norms' critical-path share +2.2 -> +1.2-1.5 µs a layer each;
-alone 1.143 -> 1.143 (the gated SiLU-and-mul then takes the time back).
+The fold (``FOLD`` in the kernel; rows up to FOLD_MAX_BLOCK): s = rstd * sum_k (A[r, k] * w[k]) * x'[k] (x' the row
+after the add, rstd its RMS scale: the norm's own numbers), every product and sum in fp32. The two sums after the
+wait (the variance's and the shrink's) no longer run one after the other, and A * w is computed before it. The
+shrink then skips the norm output's roundings (to x's dtype before the weight, to out's after): it is the exact
+shrink of the unrounded norm to fp32 precision, where the unfolded form is the exact shrink of the rounded one; the
+two differ by those roundings (2^-9 relative an element, a bf16 output), the size of the difference between PEFT's
+bf16 and fp32 runs. Measured (H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs, step_trace): with gate/up's
+delta as more K 1.129 -> 1.111 ms (base 0.96). Past FOLD_MAX_BLOCK the unfolded form runs.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from loraserve.layers import triton_elementwise
-from loraserve.layers.triton_elementwise import norm_warps, norm_weight_early, rms_norm_row, rms_rstd
+from loraserve.layers.triton_elementwise import norm_warps, rms_norm_row, rms_rstd
 from loraserve.lora.ops.triton import row_delta
 from loraserve.lora.ops.triton.row_delta import delta_b_tile, plus_delta
 from loraserve.lora.ops.triton.utils import pdl_chain, slice_ptr, tl_dtype
 
-# The decode step's norms compute the shrink of the LoRA'd projection they feed; LORASERVE_NORM_SHRINK=0: the
-# separate shrink launch (the default before session 20; faster on neither shape measured, kept to compare)
-ENABLED = os.environ.get("LORASERVE_NORM_SHRINK", "1") != "0"
 MAX_HIDDEN = 4096  # a row of A's tile per rank in registers: past this the separate shrink runs
-# The shrink from the row before its normalization: s = rstd * ((A * w) x), A times the norm's weight before the
-# PDL wait, the shrink's sum beside the variance's (measured faster, session 30; see the module's docstring).
-# LORASERVE_NORM_SHRINK_FOLD=0: s = A out, after the variance, from the rounded output (the default before)
-FOLD = os.environ.get("LORASERVE_NORM_SHRINK_FOLD", "1") != "0"
-# Rows up to which it is taken: A's fp32 tile at 4096 takes 128 registers and spills (``kernel_resources.py --norm-shrink``)
+# Rows up to which the fold is taken: A's fp32 tile at 4096 takes 128 registers and spills (``kernel_resources.py --norm-shrink``)
 FOLD_MAX_BLOCK = 2048
 # Ranks a program owns. Compiled for sm_90 (bf16 x, fp16 A; ``kernel_resources.py --norm-shrink``): 92-161
 # registers a thread at K = 896-4096, no spill
@@ -77,10 +65,10 @@ def _norm_shrink_kernel(
     # x's pending LoRA delta (row_delta: the row-parallel projection that wrote x left it to this launch)
     d_buf_ptr, d_b_ptr, d_slots_ptr, stride_dbs, stride_dsp, stride_dsm, stride_dss, D_P, D_R,
     HAS_DELTA: tl.constexpr,
-    D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr, W_EARLY: tl.constexpr,
+    D_BLOCK_R: tl.constexpr, D_RED: tl.constexpr, D_CDT: tl.constexpr,
     # s into the output's columns past N instead of buf (``delta_in_k``): S slots a slice, in powers of two
     IN_K: tl.constexpr, S, S_POW2: tl.constexpr,
-    FOLD: tl.constexpr,  # the shrink from the row before its normalization (``FOLD``)
+    FOLD: tl.constexpr,  # the shrink from the row before its normalization (the module's docstring)
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -97,10 +85,9 @@ def _norm_shrink_kernel(
     a_ptrs = slice_ptr(sl, a0_ptr, a1_ptr, a2_ptr) + tl.maximum(slot, 0).to(tl.int64) * stride_as
     a_ptrs = a_ptrs + offs_r[:, None] * stride_ar + offs[None, :]
     a = tl.load(a_ptrs, mask=(offs_r < rank)[:, None] & mask[None, :], other=0.0)
-    w_early = norm_weight_early(w_ptr, offs, mask, W_EARLY)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     if FOLD:  # A's tile times the norm's weight (fp32: exact products for a half-precision weight), while the kernel before runs
-        w_fold = w_early if W_EARLY else tl.load(w_ptr + offs, mask=mask, other=0.0)
-        a = a.to(tl.float32) * w_fold.to(tl.float32)[None, :]
+        a = a.to(tl.float32) * w.to(tl.float32)[None, :]
     if HAS_DELTA:  # every program of the row adds it (a few KB of B each: cheaper than a round trip between them)
         d_slot, bt = delta_b_tile(d_b_ptr, d_slots_ptr, row, stride_dbs, offs, mask, D_R, D_BLOCK_R)
     if PDL_CHAIN:
@@ -117,10 +104,10 @@ def _norm_shrink_kernel(
         xf = x.to(tl.float32)
         dot = tl.sum(a * xf[None, :], axis=1)
         rstd = rms_rstd(xf, N, eps)
-        out = rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY, rstd).to(out_ptr.dtype.element_ty)
+        out = rms_norm_row(x, w, N, eps, rstd).to(out_ptr.dtype.element_ty)
         s = dot * rstd  # (BLOCK_R,): zeros past the rank
     else:
-        out = rms_norm_row(x, w_ptr, offs, mask, N, eps, w_early, W_EARLY).to(out_ptr.dtype.element_ty)
+        out = rms_norm_row(x, w, N, eps).to(out_ptr.dtype.element_ty)
         s = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1)  # (BLOCK_R,): zeros past the rank
     if j == 0:
         tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
@@ -162,7 +149,7 @@ def norm_shrink(
     """(out, residual', buf): ``fused_add_rms_norm(x, residual, weight, eps)`` (``rms_norm`` when residual is
     None, residual' None), and buf (1, n_slices, T, R) fp32 = out @ A_i[slot]^T per token with a slot
     (``lora_shrink(..., zero_fill=True)``'s output: every column r < R written, zeros past the slot's rank;
-    rows of base tokens unwritten; with ``FOLD``, out unrounded: see the module's docstring). x: (T, K); token_slots: (T,) int, -1 = base; ranks: int32 per slot.
+    rows of base tokens unwritten; up to FOLD_MAX_BLOCK, out unrounded: see the module's docstring). x: (T, K); token_slots: (T,) int, -1 = base; ranks: int32 per slot.
     ``delta``: x's pending LoRA delta (a ``punica.PendingDelta``), added to x first (``row_delta``).
 
     ``in_k`` (``delta_in_k``): instead of buf, x_aug (T, K + n*S*R) in out's dtype, whose first K columns are out
@@ -196,7 +183,7 @@ def norm_shrink(
             x.stride(0), res.stride(0), out.stride(0), r_out.stride(0), a0.stride(0), a0.stride(2),
             0 if in_k else buf.stride(1), 0 if in_k else buf.stride(2), K, R, eps,
             HAS_RESIDUAL=residual is not None, NUM_RBLOCKS=n_rblocks, BLOCK=block, BLOCK_R=BLOCK_R,
-            PDL_CHAIN=chain, W_EARLY=triton_elementwise.NORM_WEIGHT_EARLY, num_warps=norm_warps(block), launch_pdl=chain,
-            IN_K=in_k, S=S, S_POW2=triton.next_power_of_2(S), FOLD=FOLD and block <= FOLD_MAX_BLOCK, **row_delta.kernel_args(delta, x),
+            PDL_CHAIN=chain, num_warps=norm_warps(block), launch_pdl=chain,
+            IN_K=in_k, S=S, S_POW2=triton.next_power_of_2(S), FOLD=block <= FOLD_MAX_BLOCK, **row_delta.kernel_args(delta, x),
         )  # fmt: skip
     return out, (r_out if residual is not None else None), (x_aug if in_k else buf)

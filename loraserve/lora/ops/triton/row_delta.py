@@ -1,7 +1,7 @@
 """A row-parallel projection's LoRA delta, added by the RMSNorm that reads the projection's output: what a
-decode step's o_proj and down can do on the GPU when their output goes straight into the residual add and
+decode step's o_proj and down do on the GPU when their output goes straight into the residual add and
 norm after them (Llama's decoder: o -> post-attention norm, down -> the next layer's input norm, or the
-model's final norm). On by default (``LORASERVE_DEFER_DELTA=0`` turns it off: the delta in the GEMM's epilogue).
+model's final norm).
 
     x'[t] = round(x[t] + sum_r B[slot(t), :, r] * s[t, r])        (x: the projection's base output)
 
@@ -14,54 +14,44 @@ rounded, the delta added in fp32, one more rounding (``x + lora_B(lora_A(x)) * s
 
 Why: at decode sizes on a small model every step is latency. With the delta in the GEMM's epilogue the
 GEMM waits for its shrink after its K loop and pays the epilogue's round trips (loading s, then its MMA)
-that nothing hides (session 20's trace, Qwen2.5-0.5B: 1-2 µs an op). Deferred, the GEMM runs as the
-shrink's dependent with no epilogue (``decode_linear(after_shrink=True)``: it streams W while the shrink
-runs, as gate/up's GEMM does for ``gated_lora``), and the norm, a link of the PDL chain launched while
-the GEMM runs, loads its token's B (weights, and the slot: the mapping, written before the forward)
-before its wait; after it only s's few floats are new. Measured (session 22, H100, Qwen2.5-0.5B shape, 32
-tokens, 8 adapters, CUDA graphs; BENCHMARKS.md): the 8-adapter step's graph replay 1.39 -> 1.32-1.34 ms
-(base 1.05), step_trace 1.316x -> 1.294x the base; not taken by Llama-8B (hidden 4096 > MAX_HIDDEN).
+that nothing hides (1-2 µs an op on Qwen2.5-0.5B). Deferred, the GEMM runs as the shrink's dependent with
+no epilogue (``decode_linear(after_shrink=True)``: it streams W while the shrink runs, as gate/up's GEMM
+does for ``gated_lora``), and the norm, a link of the PDL chain launched while the GEMM runs, loads its
+token's B (weights, and the slot: the mapping, written before the forward) before its wait; after it only
+s's few floats are new. Measured (H100, Qwen2.5-0.5B shape, 32 tokens, 8 adapters, CUDA graphs): the
+8-adapter step's graph replay 1.39 -> 1.32-1.34 ms (base 1.05); not taken by Llama-8B (hidden 4096 >
+MAX_HIDDEN).
 
-NOTE: two orders of the launches were measured and removed (session 22, commit 21870b3): the GEMM first,
-letting its shrink launch once x was complete and the shrink waiting for the GEMM only before ending
-(the step 1.302 vs 1.300 ms: the shrink, 4.4 µs, became the long pole), and the same for gate/up, its
-shrink beside its GEMM instead of in the norm (1.344 ms, slower: that shrink took 6 µs, longer than
-the GEMM's remaining time; its decoder test also failed on the GPU, not investigated).
+NOTE: two other orders of the launches were measured slower and removed: the GEMM first, letting its shrink
+launch once x was complete (the shrink became the long pole), and the same for gate/up, its shrink beside its
+GEMM instead of in the norm (that shrink took longer than the GEMM's remaining time).
 
-The shrink in the GEMM (``GEMM_SHRINK``): with no shrink handed on by the launch before (``shrunk``), the
-projection's GEMM computes x A^T for every slot as column blocks past W's (``decode_linear(shrink_into=...)``,
-the layer's ``gemm_shrink_rows``: A's rows in W's dtype, ``precision.exact_pieces`` of it, two bf16 pieces for
-fp16 A) and the norm sums the pieces' planes of its token's slot's columns: one launch fewer per projection.
-NOTE: the first form (session 23, commit 924bf93) ran a K loop of its own for those blocks, in tf32 on fp16 A:
-compiled for sm_90 the GEMM took 177 registers against 64 (o) and 80 (down), and the step was slower (H100,
-Qwen2.5-0.5B, replay 1.31 -> 1.48 ms; step_trace 1.300 -> 1.418 ms). The second form shares W's K loop and
-registers (``kernel_resources.py --gemm-shrink``: 64 and 80) and is on by default (``LORASERVE_GEMM_SHRINK=0``
-turns it off). Measured (session 26, H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs, off -> on in one
-call): graph replay 1.33 -> 1.31 ms (base 1.05), step_trace 1.270x -> 1.236x the base, layer period 45.9 -> 44.7 µs.
+The shrink in the GEMM: with no shrink handed on by the launch before (``shrunk``), the projection's GEMM
+computes x A^T for every slot as column blocks past W's (``decode_linear(shrink_into=...)``, the layer's
+``gemm_shrink_rows``: A's rows in W's dtype, ``precision.exact_pieces`` of it, two bf16 pieces for fp16 A) and
+the norm sums the pieces' planes of its token's slot's columns: one launch fewer per projection. It shares W's
+K loop and registers (``kernel_resources.py --gemm-shrink``: 64 and 80 registers for o and down). Measured (H100,
+Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs): graph replay 1.33 -> 1.31 ms (base 1.05). NOTE: a first form
+ran a K loop of its own for those blocks, in tf32 on fp16 A: compiled for sm_90 the GEMM took 177 registers, and
+the step was slower (replay 1.31 -> 1.48 ms); it was removed.
 
-qkv's reader (``QKV_ENABLED``, on by default): where the input norm computed qkv's shrink (``norm_shrink``),
-qkv's GEMM runs without its epilogue and lets the next launch start only after its own wait for that norm
-(``decode_linear(trigger_after_wait=True)``). The attention's rotary + KV-cache launch (``rotary_kv_cache(delta=
-...)``, a program per head of a token) then reads the norm's shrink and its head's columns of B and computes the
-delta before its own wait, while the GEMM still streams W, and adds it to q, k and v after it
-(``punica.PendingQKVDelta``). NOTE: session 22 had the same reader with the delta computed after the wait (commit
-b8b054c, reverted: not clearly faster, and on the GPU its head_dim-32 test failed, not investigated). Measured
-(session 27, H100, Qwen2.5-0.5B, 32 tokens, 8 adapters, CUDA graphs, one call): step_trace 1.261 -> 1.214 ms after 8
-decoded tokens and 1.285 -> 1.255 after 128 (bench_e2e's context), bench_e2e's replay 1.30 -> 1.28 (base 1.05).
+qkv's reader: where the input norm computed qkv's shrink (``norm_shrink``), qkv's GEMM runs without its epilogue
+and lets the next launch start only after its own wait for that norm (``decode_linear(trigger_after_wait=True)``).
+The attention's rotary + KV-cache launch (``rotary_kv_cache(delta=...)``, a program per head of a token) then reads
+the norm's shrink and its head's columns of B and computes the delta before its own wait, while the GEMM still
+streams W, and adds it to q, k and v after it (``punica.PendingQKVDelta``). Measured (H100, Qwen2.5-0.5B, 32
+tokens, 8 adapters, CUDA graphs): step_trace 1.261 -> 1.214 ms after 8 decoded tokens and 1.285 -> 1.255 after
+128. Taken up to ``QKV_MAX_HIDDEN`` (Llama-8B's qkv keeps its epilogue: not timed there). NOTE: the same reader
+with the delta computed after the wait was not clearly faster, and was removed.
 
 Layout: the norm's program owns one row (token); its B tile (BLOCK_R, BLOCK) sits in registers beside
-the row, so hidden sizes up to ``MAX_HIDDEN``. NOTE: compiled for sm_90 at 4 warps for a row of 1024 (the norms'
-count until session 27) the kernels with the delta take 255 registers and spill 88-120 bytes a thread, at 8 warps
-80 (fused_add_rms_norm) and 172 (norm_shrink) with no spill (``benchmarks/gpu/kernel_resources.py
---norm-delta``; B's tile transposed changes nothing). The warps set the order of the variance's sum, so every norm
-kernel, with a delta or not, takes them from ``triton_elementwise.norm_warps`` (8 at 1024 since session 27, measured
-faster: BENCHMARKS.md); session 22 had tried twice the warps for the kernels with a delta alone (other bits than the
-plain norm's) together with qkv's delta in the rotary launch after the wait (commit b8b054c), and reverted both.
+the row, so hidden sizes up to ``MAX_HIDDEN``. NOTE: compiled for sm_90 at 4 warps for a row of 1024 the kernels
+with the delta take 255 registers and spill 88-120 bytes a thread, at 8 warps 80 (fused_add_rms_norm) and 172
+(norm_shrink) with no spill (``benchmarks/gpu/kernel_resources.py --norm-delta``). The warps set the order of the
+variance's sum, so every norm kernel, with a delta or not, takes them from ``triton_elementwise.norm_warps``.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -69,17 +59,6 @@ import triton.language as tl
 
 from loraserve.lora.ops.triton.utils import compute_dtype_of, sum_planes, tl_dtype
 
-# The row-parallel projections before a norm leave their delta to it (measured faster on Qwen2.5-0.5B, session 22);
-# LORASERVE_DEFER_DELTA=0: the delta in the GEMM's epilogue, as before
-ENABLED = os.environ.get("LORASERVE_DEFER_DELTA", "1") != "0"
-# The deferred delta's shrink as more column blocks of the projection's own GEMM (x A^T for every slot, A's rows in
-# W's dtype beside W's), not a launch of its own (measured faster, session 26; the first form was slower, see the
-# module's NOTE). LORASERVE_GEMM_SHRINK=0: the shrink launch of session 22
-GEMM_SHRINK = os.environ.get("LORASERVE_GEMM_SHRINK", "1") != "0"
-# qkv's delta left to the attention's rotary + KV-cache launch, computed there before its PDL wait, where the input
-# norm computed qkv's shrink (on by default since session 27, measured faster; LORASERVE_DEFER_QKV=0: the delta in
-# qkv's GEMM's epilogue). See the module's docstring
-QKV_ENABLED = os.environ.get("LORASERVE_DEFER_QKV", "1") != "0"
 QKV_MAX_HIDDEN = 2048  # qkv's input size up to which it is taken (small models: Llama-8B's qkv keeps its epilogue, untimed)
 MAX_HIDDEN = 2048  # the projection's output size (the norm's row): B's tile of a token lives in registers
 MAX_RANK = 64
