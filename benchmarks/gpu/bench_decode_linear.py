@@ -9,7 +9,7 @@ device-to-device copy measured in the same run.
 
     python benchmarks/gpu/bench_decode_linear.py                # the table (default tiles)
     python benchmarks/gpu/bench_decode_linear.py --tune         # the tile sweep at M = 32 first
-    python benchmarks/gpu/bench_decode_linear.py --matrix       # the LoRA cost per op under each knob (MATRIX)
+    python benchmarks/gpu/bench_decode_linear.py --matrix       # the LoRA cost per op under each variant (MATRIX)
     python benchmarks/gpu/bench_decode_linear.py --lora-tune    # the fused LoRA op's time per tile config
     python benchmarks/gpu/bench_decode_linear.py --trace DIR    # each kernel's start and end in a graph replay
     python benchmarks/gpu/bench_decode_linear.py --gated        # gate_up + SiLU-and-mul: the delta in the GEMM or the activation
@@ -124,7 +124,7 @@ def bench_base(case: Case, tiles: dl.DecodeTiles | None) -> tuple[float, float]:
 
 def fused_epilogue(case: Case, ops: TritonLoRAOps, A, B, rank_dev, R) -> dl.ExpandEpilogue:
     """The LoRA epilogue as linear_with_lora builds it: the shrink launched first (PDL)."""
-    buf = lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
+    buf = lora_shrink(case.x, A, case.meta, rank_dev, R, zero_fill=True)
     return dl.ExpandEpilogue(buf, B, case.mapping.token_slots, pdl=ops_pdl(case.x.device))
 
 
@@ -150,11 +150,11 @@ def bench_parts(case: Case, ops: TritonLoRAOps, tiles: dl.DecodeTiles | None) ->
     fused op's LoRA cost is the shrink launch and which the epilogue."""
     rank_dev = ops.ranks_tensor(case.ranks)
     R = case.As[0][0].shape[2]
-    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True) for A in case.As]
+    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, R, zero_fill=True) for A in case.As]
 
     def shrink_then_gemm():
         for w, A in zip(case.ws, case.As):
-            lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
+            lora_shrink(case.x, A, case.meta, rank_dev, R, zero_fill=True)
             dl.decode_linear(case.x, w, tiles=tiles)
 
     def epilogue_only():
@@ -168,65 +168,41 @@ def ops_pdl(device) -> bool:
     return triton_ops.use_pdl(device)
 
 
-MATRIX = {  # name -> (what it changes, how): the LoRA paths' knobs, one at a time against the default
+MATRIX = {  # name -> (what it changes, how): the LoRA paths' constants and dtypes, one at a time against the default
     "default": ("a lora_shrink launch that sums its splits, then the GEMM with the expand in its epilogue (PDL); "
-                "fp16 A and B (auto's storage for a bf16 model on the GPU), tf32 products (at prefill the shrink's are fp16: "
-                "lora_shrink.FP16_X)", {}),
-    "fp32 LoRA": ("A and B stored in fp32 (--lora-dtype float32; auto before session 14)", {"lora_dtype": torch.float32}),
-    "no PDL chain": ("the kernel before the shrink (here the GEMM) lets it launch only when it ends", {"chain": False}),
-    "64 columns per MMA": ("the epilogue's MMAs over 4 slots of rank 16 (2 chunks): fewer registers",
+                "fp16 A and B (auto's storage for a bf16 model on the GPU), tf32 products", {}),
+    "fp32 LoRA": ("A and B stored in fp32 (--lora-dtype float32): no B pull, a slice a shrink program",
+                  {"lora_dtype": torch.float32}),
+    "64 columns per MMA": ("the epilogue's MMAs over 4 slots of rank 16 (2 chunks): fewer registers (MMA_COLUMNS)",
                            {"epi_cols": 64}),
-    "32 columns per MMA": ("the epilogue's MMAs over 2 slots (4 chunks): fewer still",
-                           {"epi_cols": 32}),
+    "32 columns per MMA": ("the epilogue's MMAs over 2 slots (4 chunks): fewer still", {"epi_cols": 32}),
     "bf16 LoRA": ("A and B stored in bf16 (the model's dtype)", {"lora_dtype": torch.bfloat16}),
     "fp16 products": ("x and s cast to fp16 for fp16 MMAs (not what the engine does: x may overflow fp16)",
                       {"mixed_fp32": False}),
-    "fp32's knobs": ("no B pull, a slice a shrink program (what fp32 A and B take)", {"pf_ahead": 0, "fuse_decode": False}),
-    "no PDL": ("two ordinary launches", {"pdl": False}),
-    # (the default takes the next two for half-precision A and B only)
+    "no PDL": ("two ordinary launches (what a GPU before sm_90 runs)", {"pdl": False}),
     "B to L2 2 steps ahead": ("each LoRA'd GEMM program pulls its epilogue's B into L2 2 K steps before its loop "
                               "ends (PREFETCH_B_AHEAD)", {"pf_ahead": 2}),
-    "shrink fused slices": ("the decode shrink computes every slice of its tile in one program (DECODE_FUSE_SLICES)",
-                            {"fuse_decode": True}),
-    "bf16 LoRA, neither": ("bf16 A and B, no B pull, a slice a shrink program (session 9's default)",
-                           {"pf_ahead": 0, "fuse_decode": False, "lora_dtype": torch.bfloat16}),
-    "bf16 LoRA, B 8 steps ahead": ("bf16 A and B, B pulled 8 K steps before the end", {"pf_ahead": 8, "lora_dtype": torch.bfloat16}),
-    "bf16 LoRA, 64 columns per MMA": ("bf16 A and B, the epilogue's MMAs over 4 slots (2 chunks)",
-                                      {"epi_cols": 64, "lora_dtype": torch.bfloat16}),
-    "bf16 LoRA, B 2 steps ahead": ("bf16 A and B, B pulled 2 K steps before the end", {"pf_ahead": 2, "lora_dtype": torch.bfloat16}),
-    "bf16 LoRA, B 6 steps ahead": ("bf16 A and B, B pulled 6 K steps before the end", {"pf_ahead": 6, "lora_dtype": torch.bfloat16}),
-    "bf16 LoRA, shrink K blocks 256/1024": ("bf16 A and B, down's decode shrink on K blocks of 1024 (half the programs)",
-                                            {"block_k": (256, 1024), "lora_dtype": torch.bfloat16}),
-    # measured and not the default (BENCHMARKS.md): "tf32 shrink" {"fp16_x": False} (session 18; since the fp16
-    # shrink is prefill-only it is the default's decode code), "reader sums" {"shrink_reduces": False}, "no A prefetch"
-    # {"prefetch": False}, "K blocks 512/1024" {"block_k": (512, 1024)} (session 6); the delta in a launch
-    # of its own after the GEMM (session 7, commit bfb8465); the delta as more K columns of the GEMM (2fab3e5),
-    # B pulled into L2 before the K loop (cf605f9), an x-ready flag instead of the shrink's trigger (a392f5b;
-    # session 8); the LoRA variant capped at 168 registers, B through a 3-D block pointer, both, the shrink as
-    # the GEMM launch's first programs (8047943; session 9); the LoRA'd GEMM on 4 or 3 stages (32.7 and 49.5 vs
-    # 24.8 µs), the decode shrink on K blocks of 128 (26.0), the shrink in the GEMM's K loop (f17a878; session 10);
-    # helper programs adding the deltas of gate_up's first wave (47671fa), the delta precomputed by programs
-    # of the shrink's launch (c61824c), the GEMM launched as its shrink starts, pulling W into L2 (d7188df; session 12)
+    "B 8 steps ahead": ("B pulled 8 K steps before the end", {"pf_ahead": 8}),
+    "shrink K blocks 256/1024": ("down's decode shrink on K blocks of 1024 (half the programs; DECODE_BLOCK_K)",
+                                 {"block_k": (256, 1024)}),
 }
 PARTS = ("default", "bf16 LoRA", "fp32 LoRA")
 # the LoRA weights' dtype of every row that names none: what auto stores for a bf16 model on the GPU
-# (session 14; sessions 4-13 timed fp32 here)
 DEFAULT_LORA_DTYPE = torch.float16  # configs whose cost is also split into shrink and epilogue
 
 
 def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
     """LoRA cost per Llama-8B op at 32 tokens (8 adapters mixed; DEFAULT_LORA_DTYPE unless a knob says another), unfused and
     fused, per knob of MATRIX."""
-    from loraserve.lora.ops.triton import lora_expand as expand_mod
     from loraserve.lora.ops.triton import lora_shrink as shrink_mod
 
     rows = []
     bases: dict[bool, dict[str, tuple[float, float]]] = {}
 
     def base_times() -> dict[str, tuple[float, float]]:
-        """(cuBLAS, decode_linear) µs per op under the current PDL chain setting, which the base GEMM
-        takes part in: each knob's LoRA cost is measured against the base GEMM of the same setting."""
-        chain = triton_utils.PDL_CHAIN
+        """(cuBLAS, decode_linear) µs per op with PDL or not, which the base GEMM takes part in: each variant's
+        LoRA cost is measured against the base GEMM of the same setting."""
+        chain = triton_utils.pdl_chain(DEV)
         if chain not in bases:
             bases[chain] = {}
             for name, K, slices in SHAPES["llama-8b"][:4]:
@@ -235,24 +211,19 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
                 del case
         return bases[chain]
 
-    saved = (shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl, shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K,
-             triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES,
+    # NOTE: module constants, read at each launch, set here for one row and put back
+    saved = (triton_utils._pdl_on, shrink_mod.DECODE_BLOCK_K, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD,
              precision.MIXED_HALVES_IN_FP32)  # fmt: skip
     for cfg, (what, knobs) in MATRIX.items():
         if only and cfg not in only:
             continue
         if knobs.get("pdl") is False:
-            shrink_mod.use_pdl = expand_mod.use_pdl = triton_ops.use_pdl = lambda device: False
-            knobs = {**knobs, "chain": False}
-        shrink_mod.PREFETCH_A = knobs.get("prefetch", saved[3])
-        shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[4])
-        triton_utils.PDL_CHAIN = knobs.get("chain", saved[5])
-        expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[6])
-        dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[7])
-        shrink_mod.DECODE_FUSE_SLICES = knobs.get("fuse_decode", saved[8])
-        precision.MIXED_HALVES_IN_FP32 = knobs.get("mixed_fp32", saved[9])
+            triton_utils._pdl_on = lambda index: False
+        shrink_mod.DECODE_BLOCK_K = knobs.get("block_k", saved[1])
+        expand_block.MMA_COLUMNS = knobs.get("epi_cols", saved[2])
+        dl.PREFETCH_B_AHEAD = knobs.get("pf_ahead", saved[3])
+        precision.MIXED_HALVES_IN_FP32 = knobs.get("mixed_fp32", saved[4])
         ops = TritonLoRAOps(DEV)
-        ops.shrink_reduces = knobs.get("shrink_reduces", ops.shrink_reduces)
         base = base_times()
         for name, K, slices in SHAPES["llama-8b"][:4]:
             lc = Case(K, slices, 32, layers, lora_dtype=knobs.get("lora_dtype", DEFAULT_LORA_DTYPE))
@@ -269,15 +240,14 @@ def matrix(layers: int, only: list[str] | None = None) -> list[dict]:
             print(f"| {cfg} | {name} | {t_cublas:.1f} | {t_unf:.1f} | {t_unf - t_cublas:.1f} | {t_ours:.1f} | "
                   f"{t_fus:.1f} | {t_fus - t_ours:.1f} | {err:.1e} |", flush=True)  # fmt: skip
             del lc
-        shrink_mod.use_pdl, expand_mod.use_pdl, triton_ops.use_pdl = saved[:3]
-        (shrink_mod.PREFETCH_A, shrink_mod.DECODE_BLOCK_K, triton_utils.PDL_CHAIN, expand_block.MMA_COLUMNS,
-         dl.PREFETCH_B_AHEAD, shrink_mod.DECODE_FUSE_SLICES, precision.MIXED_HALVES_IN_FP32) = saved[3:10]  # fmt: skip
+        (triton_utils._pdl_on, shrink_mod.DECODE_BLOCK_K, expand_block.MMA_COLUMNS, dl.PREFETCH_B_AHEAD,
+         precision.MIXED_HALVES_IN_FP32) = saved  # fmt: skip
     sums = {}
     for r in rows:
         s = sums.setdefault(r["cfg"], [0.0, 0.0])
         s[0] += r["cost_unfused"]
         s[1] += r["cost_fused"]
-    print("\n| knob | what | LoRA cost per layer, unfused µs | fused µs |\n|---|---|---:|---:|")
+    print("\n| variant | what | LoRA cost per layer, unfused µs | fused µs |\n|---|---|---:|---:|")
     for cfg, (u, f) in sums.items():
         print(f"| {cfg} | {MATRIX[cfg][0]} | {u:.1f} | {f:.1f} |")
     return rows
@@ -372,7 +342,7 @@ def _gated_row(lc: Case, ops: TritonLoRAOps, tiles, t_base: float, configs) -> s
         return silu_and_mul(dl.decode_linear(lc.x, w, lora=fused_epilogue(lc, ops, A, B, rank_dev, R), tiles=tiles))
 
     def gated(w, A, B, bn, nw):
-        buf = lora_shrink(lc.x, A, lc.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True)
+        buf = lora_shrink(lc.x, A, lc.meta, rank_dev, R, zero_fill=True)
         y = dl.decode_linear(lc.x, w, tiles=tiles, after_shrink=True)
         return silu_and_mul_lora(y, buf, B, lc.mapping.token_slots, block_n=bn, num_warps=nw)
 
@@ -438,7 +408,7 @@ def _augmented_times(name: str, K: int, slices: tuple[int, ...], layers: int, S:
 
     ops = TritonLoRAOps(DEV)
     rank_dev = ops.ranks_tensor(case.ranks)
-    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, R, reduce=ops.shrink_reduces, zero_fill=True) for A in case.As]
+    bufs = [lora_shrink(case.x, A, case.meta, rank_dev, R, zero_fill=True) for A in case.As]
     tiles = dl.default_tiles(32, N, K, torch.bfloat16, slices)
     slots = case.mapping.token_slots
     gated = name == "gate_up" and gated_lora.prefer(N // 2, K)

@@ -10,15 +10,12 @@ round-robin. Prefill (4096 tokens): 32 sequences of 128 tokens, adapters round-r
   CPU launch cost included (inputs stay in L2 here);
 - ``graph``: the same call replayed from a CUDA graph, timed by do_bench (GPU time, L2 flushed);
 - ``torch``: the reference path (``torch_ops``, one matmul pair per adapter and slice), wall time
-  per call like ``call``;
-- prefill rows (4096 tokens) also time the opt-in one-launch kernel (``lora_prefill``, the
-  ``lora_prefill.ENABLED`` knob on) from a graph against the default two launches (``lora_shrink`` +
-  ``lora_expand``).
+  per call like ``call``.
 
 Bytes = x + each active adapter's A and B (at its rank) + y read and written; the shrink's fp32
 partials are counted too. Bandwidth % is against a device-to-device copy measured in the same run.
 NOTE: do_bench's L2 flush writes zeros, so a kernel timed here first writes back the L2's dirty lines
-(~50 MB): ``steady_state.py`` times the 4096-token ops back to back too (BENCHMARKS.md, session 18).
+(~50 MB), which a kernel run back to back in a decode step does not.
 
     python benchmarks/gpu/bench_lora_kernels.py
 """
@@ -38,7 +35,6 @@ from loraserve.layers.attention import reference_paged_attention
 from loraserve.layers.triton_attention import paged_attention
 from loraserve.lora.ops import torch_ops
 from loraserve.lora.ops.precision import compute_dtype
-from loraserve.lora.ops.triton import lora_prefill as prefill_mod
 from loraserve.lora.ops.triton_ops import TritonLoRAOps
 from loraserve.lora.punica import LoRAMapping
 
@@ -118,15 +114,6 @@ def bench_lora(name, T, S, K, outs, wdtype, rank=16):
     t_call = wall_us(ours)
     gr = graph_of(ours)
     t_graph = do_bench(gr.replay, warmup=25, rep=200, return_mode="median") * 1e3
-    t_one = None
-    enabled = prefill_mod.ENABLED
-    prefill_mod.ENABLED = True
-    try:
-        if prefill_mod.applies(mapping.token_meta, rank, len(outs)):  # the opt-in one launch
-            gr1 = graph_of(ours)
-            t_one = do_bench(gr1.replay, warmup=25, rep=200, return_mode="median") * 1e3
-    finally:
-        prefill_mod.ENABLED = enabled
     t_ref = wall_us(reference, n=30)
     w = torch.finfo(wdtype).bits // 8
     n_slices, n_active = len(outs), len(set(slots))
@@ -140,7 +127,7 @@ def bench_lora(name, T, S, K, outs, wdtype, rank=16):
     )
     return dict(
         op=name, T=T, adapters=S, dtype=str(wdtype).replace("torch.", ""), call_us=t_call, graph_us=t_graph,
-        torch_us=t_ref, one_launch_us=t_one, bytes=nbytes, vllm_us=VLLM_US.get((name, T, S)) if wdtype == torch.bfloat16 else None,
+        torch_us=t_ref, bytes=nbytes, vllm_us=VLLM_US.get((name, T, S)) if wdtype == torch.bfloat16 else None,
     )  # fmt: skip
 
 
@@ -395,75 +382,6 @@ def tune_prefill(bw: float, tune_kinds: tuple[str, ...] = ("shrink", "expand"), 
     return {k: dataclasses.asdict(v) for k, v in chosen.items()}
 
 
-def tune_fused(bw: float, dtypes: tuple[torch.dtype, ...], grid: str = "default") -> dict:
-    """Sweeps ``lora_prefill.FUSED`` (the one-launch prefill's tiles) at 4096 tokens: each candidate timed
-    from a graph (L2 flushed) and checked against the two-launch path; prints the five fastest per case
-    and picks the tiles with the least time summed over the cases. Leaves them in place (the table that
-    follows measures them) and returns them."""
-    import dataclasses
-    import functools
-    import itertools
-
-    default = prefill_mod.FUSED
-    cands = [
-        prefill_mod.FusedPrefillTiles(block_m=bm, block_k=bk, block_n=bn, programs=p, num_warps=w, num_stages=st)
-        for bm, bk, bn, p, w, st in itertools.product((32, 64), (64, 128), (64, 128, 256), (256, 512), (4, 8), (3,))
-        if bm * bk <= 64 * 128 and not (bm == 32 and w == 8)
-    ]
-    if grid == "wide":  # around a first pick: more programs, stages
-        cands = [
-            dataclasses.replace(default, programs=p, num_stages=st, block_n=bn)
-            for p, st, bn in itertools.product((128, 256, 512, 1024), (2, 3, 4), (64, 128, 256))
-        ]
-    cands = [default] + [c for c in cands if c != default]
-    totals: dict = {}
-    n_cases = 0
-    for wdtype in dtypes:
-        for name, T, S, K, outs in PREFILL_CASES:
-            n_cases += 1
-            rank = 16
-            meta, As, Bs, x, y0, ranks = prefill_inputs(wdtype, T, S, K, outs, rank)
-            ops = TritonLoRAOps(DEV)
-            enabled, prefill_mod.ENABLED = prefill_mod.ENABLED, False  # the reference: two launches
-            try:
-                ref = y0.clone()
-                ops.add_lora_linear(ref, x, As, Bs, [rank] * S, meta)
-            finally:
-                prefill_mod.ENABLED = enabled
-            w = torch.finfo(wdtype).bits // 8
-            nbytes = T * K * 2 + 2 * T * sum(outs) * 2 + S * rank * (len(outs) * K + sum(outs)) * w
-            y = y0.clone()
-            rows = []
-            for tiles in cands:
-                run = functools.partial(prefill_mod.lora_prefill, y, x, As, Bs, meta, ranks, tiles=tiles)
-                try:
-                    y.copy_(y0)
-                    run()
-                    err = ((y.float() - ref.float()).norm() / (ref.float() - y0.float()).norm()).item()
-                    gr = graph_of(run)
-                except Exception as e:
-                    print(f"  fused {name} {wdtype} {tiles}: skipped ({str(e).splitlines()[0][:100]})")
-                    continue
-                if not err < 1e-2:
-                    print(f"  fused {name} {wdtype} {tiles}: differs from the two launches, {err:.1e}")
-                    continue
-                us = do_bench(gr.replay, warmup=10, rep=60, return_mode="median") * 1e3
-                rows.append((us, tiles, err))
-                totals.setdefault(tiles, []).append(us)
-            rows.sort(key=lambda r: r[0])
-            dflt = next(r[0] for r in rows if r[1] == default)
-            for us, tiles, err in rows[:5]:
-                print(f"| {name} | {T} | {str(wdtype)[6:]} | fused | {dataclasses.astuple(tiles)} | {us:.1f} | "
-                      f"{100 * nbytes / (us * 1e-6) / bw:.0f}% | default {dflt:.1f} µs "
-                      f"({100 * nbytes / (dflt * 1e-6) / bw:.0f}%) | rel err {err:.0e} |")  # fmt: skip
-    full = {t: sum(v) for t, v in totals.items() if len(v) == n_cases}
-    chosen = min(full, key=full.get)
-    print(f"fused: chosen {dataclasses.asdict(chosen)}: summed {full[chosen]:.1f} µs vs default "
-          f"{full[default]:.1f} µs over {n_cases} cases")  # fmt: skip
-    prefill_mod.FUSED = chosen
-    return dataclasses.asdict(chosen)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -478,8 +396,6 @@ def main() -> None:
     ap.add_argument("--tune-kinds", default="shrink,expand", help="which kernels --tune-prefill sweeps")
     ap.add_argument("--tune-grid", default="default", choices=("default", "wide-k"), help="the shrink's candidates")
     ap.add_argument("--tune-dtypes", default="bfloat16,float32", help="LoRA weight dtypes --tune-prefill sweeps")
-    ap.add_argument("--tune-fused", default=None, choices=("default", "wide"),
-                    help="sweep the one-launch prefill's tiles (lora_prefill.FUSED) over --tune-dtypes first")  # fmt: skip
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
@@ -493,11 +409,6 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|")
         tuned = tune_prefill(bw, tuple(args.tune_kinds.split(",")), args.tune_grid,
                              tuple(getattr(torch, d) for d in args.tune_dtypes.split(",")))
-    if args.tune_fused:
-        print("| op | tokens | LoRA dtype | kernel | tiles | µs | % copy BW | default tiles | rel err vs two launches |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        tuned = dict(tuned or {}, fused=tune_fused(bw, tuple(getattr(torch, d) for d in args.tune_dtypes.split(",")),
-                                                   args.tune_fused))  # fmt: skip
     print(
         f"correctness guard (qkv, 64 tokens, bf16 x, fp32 weights): rel err of the delta {check_lora_once():.1e}"
     )
@@ -532,18 +443,6 @@ def main() -> None:
             f"| {r['op']} | {r['T']} | {r['adapters']} | {r['dtype']} | {r['call_us']:.1f} | {r['graph_us']:.1f} | "
             f"{r['torch_us']:.0f} | {r['torch_us'] / r['call_us']:.1f}x | {vl} | {r['bytes'] / 1e6:.1f} | {pct:.0f}% |"
         )
-    print()
-    print("| prefill op (4096 tokens, 8 adapters) | LoRA dtype | one launch µs (graph) | % copy BW | "
-          "shrink + expand µs (graph) | % copy BW | two / one |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r["one_launch_us"] and prefill_mod.ENABLED:
-            continue  # the knob was on for the whole run: "ours" was the one launch too
-        if r["one_launch_us"]:
-            pct1 = 100 * r["bytes"] / (r["one_launch_us"] * 1e-6) / bw
-            pct2 = 100 * r["bytes"] / (r["graph_us"] * 1e-6) / bw
-            print(f"| {r['op']} | {r['dtype']} | {r['one_launch_us']:.1f} | {pct1:.0f}% | {r['graph_us']:.1f} | "
-                  f"{pct2:.0f}% | {r['graph_us'] / r['one_launch_us']:.2f}x |")  # fmt: skip
     print()
     print(
         "| attention (Llama-8B heads 32/8, d 128, bf16) | tokens | seqs | ours µs | torch ref µs | speedup | % copy BW | rel err |"

@@ -10,9 +10,8 @@ installed (the CPU machine too); nothing here is timed.
     python benchmarks/gpu/kernel_resources.py --norm-shrink   # lora/ops/triton/norm_shrink.py's kernel
     python benchmarks/gpu/kernel_resources.py --norm-delta    # the norms with a pending LoRA delta (row_delta.py)
     python benchmarks/gpu/kernel_resources.py --gemm-shrink   # decode_linear with the shrink's column blocks (shrink_into)
-    python benchmarks/gpu/kernel_resources.py --early         # the deltas computed before a PDL wait (gated, rotary)
+    python benchmarks/gpu/kernel_resources.py --early         # the deltas computed before a PDL wait (rotary)
     python benchmarks/gpu/kernel_resources.py --beside        # whether a gated SiLU-and-mul program fits beside gate/up's
-    python benchmarks/gpu/kernel_resources.py --attention     # the decode attention with and without the LoRA L2 prefetch
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from loraserve.layers import triton_decode_linear as dl
+from loraserve.layers import triton_decode_linear_kernel as dlk
 
 TARGET = GPUTarget("cuda", 90, 32)
 SM_REGS, SM_SMEM, RESERVED = 65536, 228 * 1024, 1024
@@ -47,7 +47,7 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
     8 slots of rank 16 when lora_dtype is "fp32", "bf16" or "fp16" (tf32 products); ``maxnreg``: a register cap, the launch
     option, which session 9 timed and dropped; ``pf_ahead``: the B pull's K steps, main() passes the
     default of the dtype, dl.prefetch_ahead; ``shrink``: the extra column blocks of ``shrink_into``, A's rows in bf16 as W;
-    ``w_pf_lines``: W's 128-byte lines along K pulled into L2 before the wait, ``W_PREFETCH``)."""
+    ``w_pf_lines``: W's 128-byte lines along K pulled into L2 before the wait, ``w_prefetch_lines``)."""
     N = sum(slices)
     tiles = dl.default_tiles(32, N, K, None)
     lora = lora_dtype is not None
@@ -68,7 +68,7 @@ def compile_op(K: int, slices: tuple[int, ...], lora_dtype: str | None, columns:
     options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if maxnreg:
         options["maxnreg"] = maxnreg
-    return compile_as_launched(dl._decode_linear_kernel, ptrs, consts, SIXTEENS, options), tiles
+    return compile_as_launched(dlk.decode_linear_kernel, ptrs, consts, SIXTEENS, options), tiles
 
 
 def compile_as_launched(fn, ptrs: dict, consts: dict, sixteens: set, options: dict, floats: frozenset = frozenset({"eps"})):
@@ -114,8 +114,7 @@ def norm_shrink_resources() -> None:
                     a1_ptr=adt, a2_ptr=adt, buf_ptr="*fp32", slots_ptr="*i64", rank_ptr="*i32", d_buf_ptr="*fp32",
                     d_b_ptr="*fp16", d_slots_ptr="*i32")  # fmt: skip
         consts = dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True,
-                      W_EARLY=tew.NORM_WEIGHT_EARLY, HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32,
-                      IN_K=False, S_POW2=8, FOLD=fold)
+                      HAS_DELTA=False, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32, IN_K=False, S_POW2=8, FOLD=fold)
         # K and its multiples (stride_ar is K) are multiples of 16 at these shapes
         sixteens = {"N", "stride_x", "stride_r", "stride_o", "stride_ro", "stride_as", "stride_ar", "stride_bi", "stride_bm"}
         warps = tew.norm_warps(block)
@@ -141,12 +140,12 @@ def norm_delta_resources() -> None:
             d_consts = dict(HAS_DELTA=has_delta, D_BLOCK_R=16, D_RED=1, D_CDT=tl.float32)
             kernels = [
                 ("fused_add_rms_norm", tew._fused_add_rms_norm_kernel, dict.fromkeys(rows, "*bf16"),
-                 dict(BLOCK=block, PDL_CHAIN=True, W_EARLY=tew.NORM_WEIGHT_EARLY)),
+                 dict(BLOCK=block, PDL_CHAIN=True)),
                 ("norm_shrink (qkv)", ns._norm_shrink_kernel,
                  {**dict.fromkeys(rows, "*bf16"), **dict.fromkeys(("a0_ptr", "a1_ptr", "a2_ptr"), "*fp16"),
                   "buf_ptr": "*fp32", "slots_ptr": "*i64", "rank_ptr": "*i32"},
                  dict(HAS_RESIDUAL=True, NUM_RBLOCKS=1, BLOCK=block, BLOCK_R=ns.BLOCK_R, PDL_CHAIN=True,
-                      W_EARLY=tew.NORM_WEIGHT_EARLY, IN_K=False, S_POW2=8, FOLD=False)),
+                      IN_K=False, S_POW2=8, FOLD=False)),
             ]  # fmt: skip
             name, fn, ptrs, consts = kernels[-1]
             kernels.append(("norm_shrink (qkv, fold)", fn, ptrs, {**consts, "FOLD": True}))
@@ -169,16 +168,14 @@ def gemm_shrink_resources() -> None:
             print(f"| {name} | {'yes' if shrink else 'no'} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} |", flush=True)
 
 
-def compile_gated(block_n: int, num_warps: int, maxnreg: int = 0, s_ready: bool = False):
+def compile_gated(block_n: int, num_warps: int, maxnreg: int = 0):
     """The gated SiLU-and-mul (``gated_lora``) as launched for Qwen2.5-0.5B's gate_up: 32 tokens, bf16 y, fp16 B (tf32
-    products), 8 slots of rank 16, a link of the PDL chain, without down's shrink; ``maxnreg``: a register cap (0: none)."""
+    products), 8 slots of rank 16, a link of the PDL chain; ``maxnreg``: a register cap (0: none)."""
     from loraserve.lora.ops.triton import gated_lora
 
-    ptrs = dict(y_ptr="*bf16", out_ptr="*bf16", buf_ptr="*fp32", bg_ptr="*fp16", bu_ptr="*fp16", slots_ptr="*i32",
-                da_ptr="*bf16", drank_ptr="*i32", dbuf_ptr="*bf16", ws_ptr="*bf16", cnt_ptr="*i32")  # fmt: skip
+    ptrs = dict(y_ptr="*bf16", out_ptr="*bf16", buf_ptr="*fp32", bg_ptr="*fp16", bu_ptr="*fp16", slots_ptr="*i32")
     consts = dict(R=16, BLOCK_M=32, BLOCK_N=block_n, BLOCK_R=16, SLOTS_PER_CHUNK=8, RED=1, LORA_CDT=tl.float32,
-                  LORA_IEEE=False, PDL_CHAIN=True, S_READY=s_ready, SHRINK=False, RA=16, BLOCK_RA=16, A_SLOTS_PER_CHUNK=1,
-                  RED_GROUP=1)  # fmt: skip
+                  LORA_IEEE=False, PDL_CHAIN=True)  # fmt: skip
     sixteens = {"D", "stride_ym", "stride_om", "stride_bsp", "stride_bi", "stride_bm", "stride_wsg", "stride_wsu"}
     options = dict(num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))
     return compile_as_launched(gated_lora._silu_and_mul_lora_kernel, ptrs, consts, sixteens, options)
@@ -187,32 +184,28 @@ def compile_gated(block_n: int, num_warps: int, maxnreg: int = 0, s_ready: bool 
 def early_resources() -> None:
     """The launches that compute a LoRA delta before their PDL wait, against the same launches without it (Qwen2.5-0.5B,
     32 tokens, bf16 x, fp16 B, 8 slots of rank 16): qkv's GEMM letting its dependent launch after its wait
-    (``trigger_after_wait``), the gated SiLU-and-mul with s ready (``s_ready``), the rotary + KV-cache launch with qkv's
-    delta (``rotary_kv_cache(delta=...)``; head_dim 64, and 80 with a rest of 16 dims)."""
+    (``trigger_after_wait``), the rotary + KV-cache launch with qkv's delta (``rotary_kv_cache(delta=...)``; head_dim
+    64, and 80 with a rest of 16 dims)."""
     from loraserve.layers import triton_elementwise as tew
-    from loraserve.lora.ops.triton import gated_lora
 
     print("| kernel | variant | warps | registers | spill bytes |")
     print("|---|---|---:|---:|---:|")
     k, tiles = compile_op(896, (896, 128, 128), None, 0)
     print(f"| decode_linear qkv | plain | {tiles.num_warps} | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
-    fn = dl._decode_linear_kernel
+    fn = dlk.decode_linear_kernel
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
             "buf_ptr": "*fp32", "b0_ptr": "*fp32", "b1_ptr": "*fp32", "b2_ptr": "*fp32", "slots_ptr": "*i32",
             "a_ptr": "*bf16", "s_ptr": "*fp32"}  # fmt: skip
     base = dict(R=16, HAS_BIAS=True, HAS_LORA=False, HAS_SHRINK=False, NUM_SLICES=1, BLOCK_M=32, BLOCK_N=tiles.block_n,
                 BLOCK_K=tiles.block_k, BLOCK_R=16, SLOTS_PER_CHUNK=1, RED=1, SPLIT_W=tiles.split_k, EVEN_K=True,
                 EVEN_N=True, CDT=tl.bfloat16, IEEE=False, LORA_CDT=tl.float32, LORA_IEEE=False, USE_PDL=False,
-                PDL_CHAIN=True, WAIT_FIRST=True, PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1, W_PF_LINES=0, W_PER_LINE=64)  # fmt: skip
+                PDL_CHAIN=True, WAIT_FIRST=True, PF_AHEAD=0, PF_SLOTS=1, PF_LINES=1, W_PF_LINES=0, W_PER_LINE=64,
+                X_SHIFT=False)  # fmt: skip
     opts = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     for trigger in (False, True):
         k = compile_as_launched(fn, ptrs, {**base, "TRIGGER_AFTER_WAIT": trigger}, SIXTEENS, opts)
         name = "trigger after wait" if trigger else "trigger first (the chain's default)"
         print(f"| decode_linear qkv | {name} | {tiles.num_warps} | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
-    for ready in (False, True):
-        k = compile_gated(gated_lora.DEFAULT_BLOCK_N, 8, s_ready=ready)
-        name = "s ready: the delta before the wait" if ready else "s after the wait"
-        print(f"| silu_and_mul_lora | {name} | 8 | {' | '.join(map(str, registers_and_stack(k)))} |", flush=True)
     r_ptrs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr", "cos_ptr", "sin_ptr"), "*bf16"),
               "slot_ptr": "*i64", "d_buf_ptr": "*fp32", "dbq_ptr": "*fp16", "dbk_ptr": "*fp16", "dbv_ptr": "*fp16",
               "d_slots_ptr": "*i32"}  # fmt: skip
@@ -238,7 +231,7 @@ def beside_resources() -> None:
     """Whether a program of the gated SiLU-and-mul (``gated_lora``; Qwen2.5-0.5B, 32 tokens, fp16 B, 8 slots of rank 16)
     fits on an SM beside a program of gate/up's one-wave GEMM (K 896, 2 x 4864 rows of 128, one an SM), by registers
     and shared memory. Where it does not, the launch's programs past the SMs the GEMM leaves free (132 - 76) start only
-    as the GEMM's end: the reading of session 27's trace, which ``LORASERVE_GATED_BLOCK_N=128`` (38 programs) tested."""
+    as the GEMM's end (a reading of a step trace; 128 columns, 38 programs, measured no faster)."""
     dl.sm_count = lambda *args: 132  # the H100 SXM's and H200's SMs: the one-wave tiles without a device
     gemm, tiles = compile_op(896, (4864, 4864), None, 0)
     g_regs, g_smem = program_footprint(gemm, tiles.num_warps)
@@ -255,36 +248,8 @@ def beside_resources() -> None:
               f" {triton.cdiv(4864, block_n)} | {'yes' if fits else 'no'} |", flush=True)
 
 
-def attention_resources() -> None:
-    """The decode attention as launched for bf16 q (Qwen2.5-0.5B: a group of 7 q heads of 64; Llama-8B: 4 of 128),
-    without and with the LoRA L2 prefetch of its tokens' slots (``l2_prefetch``, 32 tokens)."""
-    from loraserve.layers import triton_attention as ta
-
-    fn = ta._paged_attention_kernel
-    print("| q heads a KV head x head_dim | L2 prefetch | registers | spill bytes | shared KB |")
-    print("|---|---|---:|---:|---:|")
-    for group, d in ((7, 64), (4, 128)):
-        block_m, block_q = ta._tiles(group, True)
-        for prefetch in (False, True):
-            ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", seq_info_ptr="*i32",
-                        block_table_ptr="*i32", work_ptr="*i32", oa_ptr="*bf16", orank_ptr="*i32", slots_ptr="*i64",
-                        obuf_ptr="*fp32", pf_table_ptr="*i64")  # fmt: skip
-            consts = dict(G=group, HEAD_DIM=d, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=64, BLOCK_D=d,
-                          IS_DECODE=True, SLIDING=False, IEEE=False, PDL_CHAIN=True, SHRINK=False, R=16, BLOCK_R=16,
-                          G_POW2=1, PREFETCH=prefetch, PF_BLOCK_T=32)  # fmt: skip
-            k = compile_as_launched(fn, ptrs, consts, {"stride_qt", "stride_ks", "stride_vs", "stride_ot"},
-                                    dict(num_warps=4, num_stages=2), floats=frozenset({"qk_scale"}))  # fmt: skip
-            regs, stack = registers_and_stack(k)
-            print(f"| {group} x {d} | {'on' if prefetch else 'off'} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} |",
-                  flush=True)  # fmt: skip
-
-
 def main() -> None:
     import sys
-
-    if "--attention" in sys.argv:
-        attention_resources()
-        return
 
     if "--early" in sys.argv:
         early_resources()

@@ -14,9 +14,6 @@ replays each once under the torch profiler (CUDA activity: the graph's kernels o
   critical path, which sums to about its period, kernel by kernel;
 - each graph's replay time (triton do_bench, median: the GPU time of a step) and their ratio.
 
-The engine's knobs are environment variables read at import: run it once per setting, e.g.
-``LORASERVE_NORM_SHRINK=0 python benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b``.
-
     python benchmarks/gpu/step_trace.py --shapes qwen2.5-0.5b,llama-3.1-8b --out /tmp/traces
 """
 
