@@ -72,8 +72,6 @@ def _epilogue(
     tl.store(y_ptrs, y, mask=n_mask[:, None] & m_mask[None, :])
 
 
-
-
 @triton.jit
 def _prefetch_w(src_ptr, row0, n_rows, k_lo, k_hi, stride_wn, BLOCK_N: tl.constexpr, LINES: tl.constexpr,
                 PER_LINE: tl.constexpr):  # fmt: skip
@@ -120,7 +118,11 @@ def _k_loop(x_ptr, w_ptr, row0, N, k_lo, k_hi, M, stride_xm, stride_wn, b0_ptr, 
         k_pf = k_lo + tl.maximum(tl.cdiv(k_hi - k_lo, BLOCK_K) - PF_AHEAD, 0) * BLOCK_K
     for k in range(k_lo, k_hi, BLOCK_K):
         if X_SHIFT:  # x's address from the step's K (a select, not a branch: the loads stay pipelined)
-            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k + tl.where(k >= x_k_base, x_shift, 0) + offs_k)[None, :]
+            x_ptrs = (
+                x_ptr
+                + offs_m[:, None] * stride_xm
+                + (k + tl.where(k >= x_k_base, x_shift, 0) + offs_k)[None, :]
+            )
         if PF_AHEAD > 0:
             if k == k_pf:
                 _prefetch_b(pid_n, b0_ptr, b1_ptr, b2_ptr, stride_ws0, stride_ws1, stride_ws2, N0, N1, S,
@@ -244,8 +246,10 @@ def decode_linear_kernel(
     x_shift,
     X_SHIFT: tl.constexpr,
 ):
-    tl.static_assert((W_PF_LINES == 0 and not TRIGGER_AFTER_WAIT) or WAIT_FIRST,
-                     "W's prefetch and the trigger after the wait are for a link that waits before its K loop")
+    tl.static_assert(
+        (W_PF_LINES == 0 and not TRIGGER_AFTER_WAIT) or WAIT_FIRST,
+        "W's prefetch and the trigger after the wait are for a link that waits before its K loop",
+    )
     pid = tl.program_id(0)
     if PDL_CHAIN and not TRIGGER_AFTER_WAIT:  # a link of the chain: our dependent may launch now
         tl.extra.cuda.gdc_launch_dependents()
@@ -300,7 +304,9 @@ def decode_linear_kernel(
         if arrived == SPLIT_W - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for sp in tl.static_range(SPLIT_W):
-                total += tl.load(ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
+                total += tl.load(
+                    ws_ptr + sp * plane + pid_n * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg"
+                )
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             _finish(
                 total, pid_n, bias_ptr, y_ptr, M, N, stride_ym, s_ptr, NB_W, stride_sm, buf_ptr, b0_ptr, b1_ptr,

@@ -374,7 +374,12 @@ def _prefill_tiles(n_slices: int) -> PrefillTiles:
 
 
 def _pick_blocks(
-    meta: SegmentMeta, n_slices: int, n_rblocks: int, K: int, tiles: PrefillTiles, decode_block_k: tuple[int, int]
+    meta: SegmentMeta,
+    n_slices: int,
+    n_rblocks: int,
+    K: int,
+    tiles: PrefillTiles,
+    decode_block_k: tuple[int, int],
 ) -> tuple[int, int, int]:
     # (n_slices: the slices on the grid, 1 when a program computes them all)
     """(BLOCK_M, BLOCK_K, SPLIT_K): enough programs to fill the chip at decode sizes.
@@ -448,7 +453,9 @@ def lora_shrink(
     n_rblocks = triton.cdiv(R if zero_fill else max(max_rank, 1), block_r)
     tiles = _prefill_tiles(n)
     fuse = n > 1 and (tiles.fuse_slices if meta.max_seg_len > 32 else _fuse_decode(a0.dtype))
-    block_m, block_k, split = _pick_blocks(meta, 1 if fuse else n, n_rblocks, K, tiles, decode_block_k or DECODE_BLOCK_K)
+    block_m, block_k, split = _pick_blocks(
+        meta, 1 if fuse else n, n_rblocks, K, tiles, decode_block_k or DECODE_BLOCK_K
+    )
     buf = _new_buf((split, n, T, R), x.device)
     if meta.num_segs == 0 or T == 0:
         return buf[:1]  # nothing is read
