@@ -41,7 +41,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from loraserve.config import EngineConfig, resolve_dtype
 from loraserve.engine.detokenizer import detokenize_incrementally, fast_decoder, find_stop_string
-from loraserve.engine.failures import device_usable, non_finite_message
+from loraserve.engine.failures import FailureIsolation, non_finite_message
 from loraserve.engine.kv_cache import BlockManager
 from loraserve.engine.logprobs import LogprobRows, logprob_dict, record_prompt_logprobs, step_logprob_stats
 from loraserve.engine.model_runner import ModelRunner, RunnerOutput, size_kv_cache
@@ -80,7 +80,7 @@ class LaunchedStep:
         return one_each and len(self.out.sample_seqs) == len(self.batch.seqs)
 
 
-class LLMEngine:
+class LLMEngine(FailureIsolation):
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
         mc = config.model
@@ -172,7 +172,9 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        self._check_healthy()
+        self.check_healthy()
+        if not self.requests:  # idle: failures before now were not "in a row" with what comes next
+            self.consecutive_step_failures = 0
         if prompt_token_ids is None:
             if prompt is None:
                 raise RequestError("a request needs a prompt or prompt_token_ids")
@@ -242,7 +244,7 @@ class LLMEngine:
         failed: the engine cannot recover."""
         return self.dead is None and (self.workers is None or self.workers.is_healthy())
 
-    def _check_healthy(self) -> None:
+    def check_healthy(self) -> None:
         """A dead engine, or under tensor parallelism a dead worker: fails every request and raises
         EngineDeadError."""
         err: EngineDeadError | None = self.dead
@@ -263,7 +265,7 @@ class LLMEngine:
         """One step: schedule -> run (prepare, forward) -> sample -> postprocess; the outputs of the
         requests it touched. Under async scheduling the last call may have launched it already, and
         this call may launch the next one before reading this one back."""
-        self._check_healthy()
+        self.check_healthy()
         clock = self.step_timings.start(self._sync_device)
         batches: list[ScheduledBatch] = []  # what this call runs: the requests to fail if it raises
         try:
@@ -294,42 +296,6 @@ class LLMEngine:
         finally:
             clock.stop()
 
-    def _fail_step(self, exc: Exception, batches: list[ScheduledBatch]) -> list[RequestOutput]:
-        """A step raised: fail its requests (their KV blocks and adapter references freed) and go on.
-
-        The requests are those of the batches the call ran or had launched ahead; all of them when
-        it failed before a batch existed (the scheduler itself). A second failure in a row, or a
-        device left unusable (a CUDA error is sticky), means the engine cannot go on: every request
-        fails and ``EngineDeadError`` is raised; the engine refuses work from then on.
-        """
-        if self._inflight is not None:
-            batches.append(self._inflight.batch)
-            self._inflight = None
-        rids = {s.request_id for b in batches for s in b.seqs} if batches else set(self.requests)
-        self.consecutive_step_failures += 1
-        logger.error(
-            "a step failed (%d in a row); failing its %d requests",
-            self.consecutive_step_failures,
-            len(rids),
-            exc_info=exc,
-        )
-        if self.consecutive_step_failures >= 2 or not (self.is_healthy() and device_usable(self.device)):
-            self.dead = EngineDeadError(f"the engine cannot go on after {exc!r}")
-            for rid in list(self.requests):
-                self.abort_request(rid)
-            raise self.dead from exc
-        msg = f"the engine failed while running this request: {exc!r}; other requests go on"
-        return [self._fail_request(rid, msg) for rid in rids if rid in self.requests]
-
-    def _fail_request(self, request_id: str, message: str) -> RequestOutput:
-        """End every sequence of the request with finish_reason "error" and ``message``; its output."""
-        req = self.requests[request_id]
-        req.error = message
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self._finish(seq, "error")
-        return self._request_output(req)
-
     def _launch(
         self, batch: ScheduledBatch, clock: StepClock, input_ids: torch.Tensor | None = None
     ) -> LaunchedStep:
@@ -343,7 +309,7 @@ class LLMEngine:
             out = self.runner.forward(prepared, plan)
             clock.lap("forward", sync=True)
         except EngineDeadError:  # a tensor-parallel worker died mid-step: fail every request
-            self._check_healthy()
+            self.check_healthy()
             raise
         # a step scheduled ahead samples while the last step's token is not appended: one pending each
         sampled = self._sample(out, pending=1 if batch.ahead else 0)
@@ -392,17 +358,6 @@ class LLMEngine:
         top = unpack_logprobs(stats, launched.logprob_rows.ks) if stats is not None else None
         return (ids.tolist() if ids is not None else []), top
 
-    def _fail_broken_reloads(self) -> list[RequestOutput]:
-        """Fail the requests whose adapter's re-read failed (its files changed since registration, ...)."""
-        failed = self.lora_manager.take_load_errors() if self.lora_manager is not None else {}
-        return [
-            self._fail_request(
-                r.request_id, f"reloading adapter {r.lora_request.lora_name!r} failed: {failed[lid]}"
-            )
-            for r in list(self.requests.values())
-            if (lid := r.lora_request.lora_int_id if r.lora_request else None) in failed
-        ]
-
     def _idle(self) -> list[RequestOutput]:
         """Nothing runnable: requests wait on adapter loads; wait a bit for one."""
         if self.lora_manager is not None and self.scheduler.has_unfinished():
@@ -422,13 +377,16 @@ class LLMEngine:
         banned = [self._banned_ids(s, pending) for s in out.sample_seqs]
         return self.sampler(out.sample_logits, params, gens, banned)
 
-    def _banned_ids(self, seq: Sequence, pending: int = 0) -> list[int]:
+    def _banned_ids(self, seq: Sequence, pending: int = 0) -> list[int] | torch.Tensor:
+        """The stop tokens ``seq`` may not produce yet (before min_tokens); built once per sequence."""
         if len(seq.output_token_ids) + pending >= seq.params.min_tokens:
             return []
-        stops = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            stops |= self.eos_token_ids
-        return sorted(stops)
+        if seq.banned_ids is None:
+            stops = set(seq.params.stop_token_ids)
+            if not seq.params.ignore_eos:
+                stops |= self.eos_token_ids
+            seq.banned_ids = torch.tensor(sorted(stops), dtype=torch.long)
+        return seq.banned_ids
 
     def _postprocess(
         self, launched: LaunchedStep, token_ids: list[int], top: TopLogprobs | None

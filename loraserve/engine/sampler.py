@@ -160,21 +160,25 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        banned_ids: list[list[int]] | None = None,
+        banned_ids: list[list[int] | torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """logits (B, V) -> sampled token ids (B,) long, on the logits' device.
 
         generators[i]: row i's own generator (on that device), or None for the default one.
-        banned_ids[i]: tokens row i may not produce now (stop tokens before min_tokens).
+        banned_ids[i]: tokens row i may not produce now (stop tokens before min_tokens): a list, or a
+        host tensor the caller keeps (nothing per token is built in Python each step).
         A row whose logits hold a NaN or +Inf, or whose every token is banned, gets ``NO_TOKEN``:
         one row's bad numbers never reach another row, and never reach ``torch.multinomial``
         (whose device-side assert would end the CUDA context for every request).
         """
         dev = logits.device
         logits = logits.float()
-        if banned_ids is not None and any(banned_ids):
-            rc = [(i, t) for i, ids in enumerate(banned_ids) for t in ids]
-            rows, cols = to_device(rc, torch.long, dev).T
+        if banned_ids is not None and any(len(ids) for ids in banned_ids):
+            cols = [torch.as_tensor(ids, dtype=torch.long) for ids in banned_ids]
+            lens = torch.tensor([len(c) for c in cols])
+            rows = torch.repeat_interleave(torch.arange(len(cols)), lens)
+            rc = torch.stack([rows, torch.cat(cols)])  # (2, total banned)
+            rows, cols = (rc.pin_memory() if dev.type == "cuda" else rc).to(dev, non_blocking=True)
             logits = logits.index_put((rows, cols), torch.full((), NEG_INF, device=dev))  # out of place
         # NOTE: max propagates NaN, so one reduction gives the greedy ids and the rows to refuse
         best, out = logits.max(dim=-1)
@@ -190,7 +194,10 @@ class Sampler:
             return out.masked_fill(bad, NO_TOKEN)
         order = [i for _, rows in groups.values() for i in rows]
         rows = to_device(order, torch.long, dev)
-        probs = apply_filters_batched(logits[rows], [params[i] for i in order]).softmax(-1)  # (n, V)
+        # NOTE: each row shifted by its max first (no filter changes under a shift): huge but finite
+        # logits over a small temperature would overflow to inf, and softmax would make that NaN
+        shifted = logits[rows] - best[rows, None]
+        probs = apply_filters_batched(shifted, [params[i] for i in order]).softmax(-1)  # (n, V)
         probs = probs.masked_fill(bad[rows, None], 1.0)  # any valid distribution: the row is refused below
         draws, start = [], 0
         for g, group in groups.values():

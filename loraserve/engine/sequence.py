@@ -44,6 +44,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    banned_ids: torch.Tensor | None = field(
+        default=None, init=False, repr=False
+    )  # stop ids before min_tokens
 
     def __post_init__(self) -> None:
         self.prefix_offset = max(len(self.prompt_token_ids) - 5, 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from loraserve.lora.errors import LoRALoadCancelledError
 
@@ -48,9 +48,15 @@ class DaemonLoader:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(fn(*args))
+                result = fn(*args)
             except BaseException as e:  # the Future carries it to the step loop
-                fut.set_exception(e)
+                result, error = None, e
+            else:
+                error = None
+            try:
+                fut.set_exception(error) if error is not None else fut.set_result(result)
+            except InvalidStateError:  # its waiter ended it already (a server shutting down)
+                pass
 
     def shutdown(self) -> None:
         """Stop after the parses already queued (each ends at its next cancel check once the manager's

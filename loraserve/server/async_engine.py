@@ -30,17 +30,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraserve.engine.engine import LLMEngine, RequestError
+from loraserve.engine.worker import EngineDeadError  # the engine cannot go on; restart the server
 from loraserve.lora.errors import UnknownAdapterError
+from loraserve.lora.loader import DaemonLoader
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import RequestOutput
 from loraserve.sampling import SamplingParams
 from loraserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped after an unexpected error; restart the server."""
+IDLE_HEALTH_CHECK_S = 1.0  # how often an idle engine thread checks that it can still serve
 
 
 class RequestFailedError(RuntimeError):
@@ -195,7 +194,8 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         # called on the loop thread once the engine cannot go on (the server exits non-zero)
         self.on_fatal: Callable[[], None] | None = None
-        self._loads: set[concurrent.futures.Future] = set()  # adapter parses running on their threads
+        self._loader = DaemonLoader("loraserve-adapter-load")
+        self._loads: set[concurrent.futures.Future] = set()  # adapter parses queued or running there
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -232,31 +232,18 @@ class AsyncEngine:
                 pass
         if self.engine.lora_manager is not None:
             self.engine.lora_manager.close()  # parses in flight stop at their next read
+        self._loader.shutdown()
 
     def _in_daemon_thread(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        """``fn(*args)`` on a new daemon thread, awaitable from the loop; ``stop_streams`` ends the wait.
+        """``fn(*args)`` on the adapter-load thread, awaitable from the loop; ``stop_streams`` ends the wait.
 
         NOTE: not ``asyncio.to_thread``: the default executor's threads are joined at interpreter exit,
-        so a slow adapter parse would hold shutdown hostage; a daemon thread is simply left behind.
+        so a slow adapter parse would hold shutdown hostage; the loader's thread is a daemon, and runs
+        one load at a time.
         """
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        fut.set_running_or_notify_cancel()
+        fut = self._loader.submit(fn, *args)
         self._loads.add(fut)
         fut.add_done_callback(self._loads.discard)
-
-        def run() -> None:
-            try:
-                result = fn(*args)
-            except BaseException as e:
-                result, error = None, e
-            else:
-                error = None
-            try:
-                fut.set_exception(error) if error is not None else fut.set_result(result)
-            except concurrent.futures.InvalidStateError:  # already ended by stop_streams
-                pass
-
-        threading.Thread(target=run, name="loraserve-adapter-load", daemon=True).start()
         return asyncio.wrap_future(fut)
 
     @property
@@ -273,6 +260,7 @@ class AsyncEngine:
                 self._drain_inbox(block=not engine.has_unfinished_requests())
                 if self._stopping:
                     break
+                engine.check_healthy()  # NOTE: also while idle: a tensor-parallel worker may die then
                 if engine.has_unfinished_requests():
                     outs = engine.step()
                     if outs:
@@ -291,7 +279,7 @@ class AsyncEngine:
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            cmd = self._inbox.get() if block else self._inbox.get_nowait()
+            cmd = self._inbox.get(timeout=IDLE_HEALTH_CHECK_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -307,6 +295,9 @@ class AsyncEngine:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(self.engine))
+                    except EngineDeadError as e:  # e.g. add_request finding a dead worker: the loop ends
+                        fut.set_exception(e)
+                        raise
                     except Exception as e:
                         fut.set_exception(e)
             try:

@@ -84,7 +84,8 @@ def test_the_sampler_survives_any_valid_params_and_any_logits(kws, data):
     logits = torch.randn(n, V, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))) * 5
     poisoned = data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, V - 1)), max_size=3))
     for r, c in poisoned:
-        logits[r, c] = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+        # huge finite logits too: over a small temperature they overflow unless rows are shifted first
+        logits[r, c] = data.draw(st.sampled_from([math.nan, math.inf, -math.inf, 3e38, -3e38, 1e30]))
     banned = [data.draw(st.lists(st.integers(0, V - 1), max_size=V)) for _ in range(n)]
     gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
     ids = Sampler()(logits, params, gens, banned).tolist()
@@ -187,3 +188,14 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
         p.top_p = 1e-46  # past the validation: 0 in the sampler's fp32 table
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     assert Sampler()(logits, params, gens).tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 0.5, 1.0])
+def test_huge_finite_logits_are_sampled_not_refused(temperature):
+    """A logit near fp32's max over a small temperature must not overflow into a NaN distribution."""
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
+    logits[0, 5] = 3e38
+    logits[1, 9] = 1e30
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(2)]
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    assert Sampler()(logits, params, gens).tolist() == [5, 9]

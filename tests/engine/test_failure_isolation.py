@@ -79,6 +79,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(files, async_s
         assert "injected failure in the forward" in o.error
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs[2:]] == ref[2:]
     assert_idle(llm)
+    assert (llm.engine.num_launched_ahead > 0) == async_scheduling
     assert llm.engine.is_healthy() and llm.engine.consecutive_step_failures == 0
     monkeypatch.undo()
     assert run(llm, loras) == ref
@@ -103,22 +104,32 @@ def test_a_failure_in_the_scheduler_fails_the_requests_and_the_engine_goes_on(fi
 
 
 def test_a_second_failure_in_a_row_stops_the_engine(files, monkeypatch):
-    llm = make(files)
+    llm = make(files, max_num_seqs=2)
     monkeypatch.setattr(llm.engine.runner, "forward", FailingForward(llm.engine.runner, {2, 3}))
     eng = llm.engine
-    for i, p in enumerate(PROMPTS[:2]):
+    for i, p in enumerate(PROMPTS[:3]):  # the third waits for a seat, so the engine never idles
         eng.add_request(f"r{i}", None, GREEDY, p)
-    assert eng.step()  # a prefill
+    assert eng.step()  # the first two's prefill
     first = eng.step()  # fails: both requests end with an error, the engine goes on
     assert {o.request_id for o in first} == {"r0", "r1"} and all(o.error for o in first)
-    assert eng.is_healthy()
-    eng.add_request("r2", None, GREEDY, PROMPTS[2])
+    assert eng.is_healthy() and "r2" in eng.requests
     with pytest.raises(EngineDeadError, match="cannot go on"):
-        eng.step()
+        eng.step()  # the third's prefill fails too: two in a row
     assert not eng.is_healthy()
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks and not eng.requests
     with pytest.raises(EngineDeadError):
         eng.add_request("r3", None, GREEDY, PROMPTS[3])
+
+
+def test_failures_with_idle_time_between_do_not_stop_the_engine(files, monkeypatch):
+    llm = make(files)
+    monkeypatch.setattr(llm.engine.runner, "forward", FailingForward(llm.engine.runner, {1, 2}))
+    for _ in range(2):  # each request alone, each failing: not "in a row" with the next one
+        (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+        assert out.outputs[0].finish_reason == "error"
+    assert llm.engine.is_healthy()
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+    assert out.error is None and len(out.outputs[0].token_ids) == GREEDY.max_tokens
 
 
 def test_failures_apart_do_not_stop_the_engine(files, monkeypatch):
@@ -199,3 +210,20 @@ def test_the_sampler_refuses_non_finite_rows_and_leaves_the_others_alone():
     assert got[1] == got[3] == got[4] == NO_TOKEN
     for i in (0, 2, 5):
         assert got[i] == clean[i]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failing_step_frees_every_sequence_of_an_n_request_with_prompt_logprobs(
+    files, async_scheduling, monkeypatch
+):
+    """n = 3 with prompt logprobs and preemption-prone room: every sibling (running or waiting) ends
+    with the error, and nothing stays behind."""
+    llm = make(files, max_num_seqs=2, num_kv_blocks=12, async_scheduling=async_scheduling)
+    params = SamplingParams(n=3, temperature=0.9, seed=3, max_tokens=8, prompt_logprobs=2, logprobs=1)
+    monkeypatch.setattr(llm.engine.runner, "forward", FailingForward(llm.engine.runner, {3}))
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, adapter(files))
+    assert out.error is not None and [c.finish_reason for c in out.outputs] == ["error"] * 3
+    assert_idle(llm)
+    monkeypatch.undo()
+    (again,) = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, adapter(files))
+    assert again.error is None and all(c.finish_reason == "length" for c in again.outputs)

@@ -39,7 +39,7 @@ def test_phases_are_recorded_and_sum_to_the_step(llm):
         assert t.seconds[phase] > 0, phase
     phases = sum(t.seconds.values())
     assert phases <= t.step_seconds <= wall
-    assert t.step_seconds - phases < 0.05 * t.step_seconds + 1e-3  # only _check_healthy and laps between
+    assert t.step_seconds - phases < 0.05 * t.step_seconds + 1e-3  # only check_healthy and laps between
     assert wall - t.step_seconds < 0.05 * wall + 1e-3
     d = t.as_dict()
     assert d["step"]["count"] == steps and d["forward"]["mean_ms"] == pytest.approx(

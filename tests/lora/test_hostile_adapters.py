@@ -175,7 +175,7 @@ def test_huge_config_is_refused_by_its_size_without_reading_it(setup):
     t0 = time.perf_counter()
     with pytest.raises(LoRAFormatError, match=f"{2 << 30} bytes, more than the {MAX_CONFIG_BYTES}"):
         load_adapter(d, "huge", 16)
-    assert time.perf_counter() - t0 < 0.5
+    assert time.perf_counter() - t0 < 5  # a full read would take far longer (and 2 GiB of memory)
     _assert_refused(
         setup, LoRARequest("huge", 130, str(d)), LoRAFormatError, "adapter_config.json", f"{2 << 30} bytes"
     )
