@@ -64,6 +64,7 @@ class Report:
     clients: int = 0
     hostile_clients: int = 0
     hostile_sent: int = 0
+    hostile_streamed: int = 0  # of those, bodies asking for a stream
     hostile_outcomes: Counter = field(default_factory=Counter)
     hostile_faults: list[dict] = field(default_factory=list)  # each: kind, stream, outcome, response, body
     hostile_by_kind: Counter = field(default_factory=Counter)  # "kind -> outcome": count
@@ -101,7 +102,7 @@ class Report:
             f"TTFT p50 {pct(self.ttft, 50):.1f} ms, p99 {pct(self.ttft, 99):.1f} ms; "
             f"inter-token p50 {pct(self.itl, 50):.1f} ms, p99 {pct(self.itl, 99):.1f} ms "
             f"(client side: gaps between text chunks; a chunk carries more than one token only when its reader lags)",
-            f"hostile requests sent {self.hostile_sent}: "
+            f"hostile requests sent {self.hostile_sent} ({self.hostile_streamed} asking for a stream): "
             + ", ".join(f"{k} x{v}" for k, v in sorted(self.hostile_outcomes.items()))
             + f"; server faults {len(self.hostile_faults)}",
             "leaks: " + ("none" if not self.leaks else "; ".join(self.leaks)),
@@ -230,6 +231,7 @@ async def _worker(client, rng, models, rep, args, vocab, deadline) -> None:
 async def _hostile_one(client: httpx.AsyncClient, rng: random.Random, target, rep: Report, args) -> None:
     h = hostile_bodies.make(rng, target)
     rep.hostile_sent += 1
+    rep.hostile_streamed += h.stream
     what, fault, received = await hostile_bodies.send(client, h, args.hostile_timeout)
     rep.hostile_outcomes[what] += 1
     rep.hostile_by_kind[f"{h.kind} -> {what}"] += 1
