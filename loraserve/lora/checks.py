@@ -18,9 +18,12 @@ magnitudes) are held to the rule for one base entry: |v| * X within the model's 
 
 X = ``INPUT_BOUND`` = 256. LoRA-targeted projections mostly read normalized activations (a few tens at
 most); 256 keeps headroom above that without refusing real adapters on fp16 models, whose whole range
-is 65504. On bf16 and fp32 models the limit is about 1.3e36 per entry: weights scaled by 1e30, or values
-that become inf when rounded to the storage dtype, are refused, naming the module. Bounds are computed
-in float64, so the check itself cannot overflow on any fp32 input.
+is 65504. A delta is also held below sqrt(float32's max / width) per entry (width = the module's outputs):
+what a delta adds reaches a norm, whose fp32 sum of squares over the width would overflow past that,
+and the layer's output would be 0 or NaN for every token. On bf16 and fp32 models that is the binding
+limit (about 2.9e17 at width 4096, while real adapters stay under about 1e4): weights scaled by 1e30, or
+values that become inf when rounded to the storage dtype, are refused, naming the module. Bounds are
+computed in float64, so the check itself cannot overflow on any fp32 input.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from loraserve.lora.files import check_cancel
 from loraserve.lora.ops.precision import compute_dtype
 
 INPUT_BOUND = 256.0
+FP32_MAX = torch.finfo(torch.float32).max
 MAX_LIST_ENTRIES = 4096  # target_parameters / modules_to_save entries: each is compared with every module
 
 
@@ -165,6 +169,14 @@ def check_magnitudes(
             delta += float(m.lora_bias.double().abs().amax())
         if not delta <= out_max:  # (NaN fails too)
             raise _too_large(here, "the LoRA delta |s B A x|", delta, out_max, out_dtype)
+        width = b.shape[-2] if b.dim() >= 2 else 1
+        norm_limit = math.sqrt(FP32_MAX / max(width, 1))
+        if not delta <= norm_limit:
+            raise LoRAValueError(
+                f"{here}: the LoRA delta |s B A x| can reach {delta:.3g} for inputs |x| <= {INPUT_BOUND:g}, "
+                f"beyond {norm_limit:.3g} (the square root of float32's largest value over its {width} outputs): "
+                "a norm reading it would overflow its sum of squares (re-export or retrain the adapter)"
+            )
         if m.magnitude is not None:
             _check_entries(f"{here}: lora_magnitude_vector", m.magnitude, out_max, out_dtype)
     extras = [(f"replacement weight of {k!r}", t) for k, t in adapter.weight_replacements.items()]

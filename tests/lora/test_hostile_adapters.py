@@ -137,6 +137,20 @@ def test_weights_times_1e30_are_refused_by_the_overflow_bound(setup):
     assert "layers.0.self_attn.q_proj" in msg
 
 
+def test_one_b_times_1e30_is_refused_before_a_norm_overflows(setup):
+    """Only one lora_B scaled: the delta (~1e32) fits fp32, but the next norm's sum of squares would not."""
+
+    def scale_first_b(sd):
+        key = next(k for k in sorted(sd) if "lora_B" in k)
+        sd[key] = sd[key] * 1e30
+
+    d = _variant(setup[0], "one_b_x1e30", poke=scale_first_b)
+    msg = _assert_refused(
+        setup, LoRARequest("one_b_x1e30", 103, str(d)), LoRAValueError, "module", "sum of squares"
+    )
+    assert "layers.0" in msg
+
+
 @pytest.mark.parametrize(
     "update, needles",
     [
