@@ -35,17 +35,18 @@ import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
+from loraserve.daemon_worker import DaemonWorker
 from loraserve.distributed.parallel_state import get_tp_size
 from loraserve.lora.checks import check_magnitudes
 from loraserve.lora.errors import (
     LoRAError,
     LoRAFormatError,
+    LoRALoadCancelledError,
     LoRAShapeError,
     UnknownAdapterError,
 )
 from loraserve.lora.files import AdapterFiles
 from loraserve.lora.layers import LORA_LAYER_CLASSES, BaseLayerWithLoRA, LogitsProcessorWithLoRA
-from loraserve.lora.loader import DaemonLoader
 from loraserve.lora.mapping import LoRATarget, find_lora_targets
 from loraserve.lora.mixtures import combine_adapters
 from loraserve.lora.packing import PackedAdapter, pack_adapter
@@ -94,7 +95,7 @@ class LoRAManager:
         self._loading: dict[int, Future] = {}  # disk -> host parses in flight
         self._load_errors: dict[int, Exception] = {}
         self._closing = threading.Event()  # set by close(): parses stop at their next check
-        self._loader = DaemonLoader()
+        self._loader = DaemonWorker("lora-loader", _loads_closed)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._slot_ready: dict[int, object] = {}  # slot -> CUDA event of its last write
         self.stats: Counter[str] = Counter()
@@ -492,3 +493,7 @@ class LoRAManager:
                 mp.a = [t if t is None else t.pin_memory() for t in mp.a]
                 mp.b = [t if t is None else t.pin_memory() for t in mp.b]
         return packed
+
+
+def _loads_closed() -> LoRALoadCancelledError:
+    return LoRALoadCancelledError("adapter loading is closed (the server is shutting down)")

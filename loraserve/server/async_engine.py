@@ -29,10 +29,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from loraserve.daemon_worker import DaemonWorker
 from loraserve.engine.engine import LLMEngine, RequestError
 from loraserve.engine.worker import EngineDeadError  # the engine cannot go on; restart the server
 from loraserve.lora.errors import UnknownAdapterError
-from loraserve.lora.loader import DaemonLoader
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import RequestOutput
 from loraserve.sampling import SamplingParams
@@ -194,7 +194,9 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         # called on the loop thread once the engine cannot go on (the server exits non-zero)
         self.on_fatal: Callable[[], None] | None = None
-        self._loader = DaemonLoader("loraserve-adapter-load")
+        self._loader = DaemonWorker(
+            "loraserve-adapter-load", lambda: ShuttingDownError("the server is shutting down")
+        )
         self._loads: set[concurrent.futures.Future] = set()  # adapter parses queued or running there
 
     # ---- lifecycle ------------------------------------------------------------------------------

@@ -9,15 +9,12 @@ Each thread has its own tokenizer instance (the engine thread has a third): none
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from transformers import AutoTokenizer
 
+from loraserve.daemon_worker import DaemonWorker
 from loraserve.sampling import MAX_LOGPROBS, SamplingParams
 from loraserve.server.errors import APIError
 from loraserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,39 +39,6 @@ class Prepared:
     params: list[SamplingParams]  # one per prompt
 
 
-class _Worker:
-    """One daemon thread running jobs in order; a job whose awaiting request went away is skipped.
-
-    NOTE: a daemon thread, not a ThreadPoolExecutor (whose threads are joined at interpreter exit):
-    shutdown never waits for a large body being tokenized."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((fn, args, fut))
-        return asyncio.wrap_future(fut)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, args, fut = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as e:
-                    fut.set_exception(e)
-
-
 class Preparer:
     def __init__(
         self, model_root: str, model_name: str, vocab_size: int, max_model_len: int, config: ServerConfig
@@ -85,15 +49,18 @@ class Preparer:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(model_root)  # the loop thread's
         self._worker_tokenizer = AutoTokenizer.from_pretrained(model_root)  # the worker thread's
-        self._worker = _Worker("loraserve-prepare")
+        self._worker = DaemonWorker(
+            "loraserve-prepare",
+            lambda: APIError(503, "the server is shutting down; retry on another replica"),
+        )
 
     def close(self) -> None:
-        self._worker.close()
+        self._worker.shutdown()
 
     async def _run(self, body: bytes, fn: Callable[..., Prepared], content_type: str | None) -> Prepared:
         if len(body) <= OFF_LOOP_BYTES:
             return fn(self.tokenizer, body, content_type)
-        return await self._worker.submit(fn, self._worker_tokenizer, body, content_type)
+        return await asyncio.wrap_future(self._worker.submit(fn, self._worker_tokenizer, body, content_type))
 
     async def completion(self, body: bytes, content_type: str | None) -> Prepared:
         return await self._run(body, self._completion, content_type)

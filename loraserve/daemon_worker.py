@@ -1,7 +1,9 @@
-"""The LoRA manager's background parses: one daemon thread running them in order, with Futures.
+"""One daemon thread running jobs in order, with Futures: the LoRA manager's adapter parses, the server's
+adapter loads and its large-body preparation each have one.
 
-A ``ThreadPoolExecutor``'s workers are joined at interpreter exit, so a parse in flight would hold up a
-shutdown; this thread is a daemon, and parses stop early through the manager's cancel event.
+A ``ThreadPoolExecutor``'s workers are joined at interpreter exit, so a job in flight would hold up a
+shutdown; this thread is a daemon. A job whose Future was cancelled before it started is skipped, and
+one whose waiter ended it (a server shutting down) finishes unheard.
 """
 
 from __future__ import annotations
@@ -11,15 +13,14 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
-from loraserve.lora.errors import LoRALoadCancelledError
 
-
-class DaemonLoader:
+class DaemonWorker:
     """``submit(fn, *args) -> Future``, run one at a time on a daemon thread started on first use;
-    after ``shutdown()`` new submissions fail at once with LoRALoadCancelledError."""
+    after ``shutdown()`` new submissions fail at once with ``closed_error()``."""
 
-    def __init__(self, name: str = "lora-loader"):
+    def __init__(self, name: str, closed_error: Callable[[], Exception]):
         self._name = name
+        self._closed_error = closed_error
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -29,9 +30,7 @@ class DaemonLoader:
         fut: Future = Future()
         with self._lock:
             if self._closed:
-                fut.set_exception(
-                    LoRALoadCancelledError("adapter loading is closed (the server is shutting down)")
-                )
+                fut.set_exception(self._closed_error())
                 return fut
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
