@@ -7,9 +7,10 @@ import torch
 from loraserve.forward_context import AttentionMetadata
 
 
-def make_batch(g, q_lens, ctx_lens, block_size, num_blocks, device):
-    """Metadata with each sequence's blocks drawn at random from the whole cache (no sharing)."""
-    perm = torch.randperm(num_blocks, generator=g).tolist()
+def make_batch(g, q_lens, ctx_lens, block_size, num_blocks, device, blocks: list[int] | None = None):
+    """Metadata with each sequence's blocks drawn at random from the whole cache (no sharing); ``blocks``:
+    the order to hand them out in instead (tables are padded with block 0 either way)."""
+    perm = torch.randperm(num_blocks, generator=g).tolist() if blocks is None else list(blocks)
     tables, starts, slot_mapping, kv_slots = [], [], [], []
     pos = 0
     for n, c in zip(q_lens, ctx_lens):

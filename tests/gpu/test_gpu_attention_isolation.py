@@ -20,6 +20,7 @@ from triton_device import skip_interpreted_bf16, triton_device  # noqa: E402
 
 DEV = triton_device()
 
+from attention_batches import make_batch  # noqa: E402
 from helpers import make_tiny_model  # noqa: E402
 from kv_poison import (  # noqa: E402
     CONFIGS,
@@ -54,30 +55,7 @@ def kernel_batch(q_lens, ctx_lens, mate_owns_block0: bool, g: torch.Generator) -
     perm = (torch.randperm(NUM_BLOCKS - 1, generator=g) + 1).tolist()
     if mate_owns_block0:
         perm.insert(0, 0)
-    tables, kv_slots, slot_mapping, starts, pos = [], [], [], [], 0
-    for n, c in zip(q_lens, ctx_lens):
-        table, perm = perm[: -(-c // BS)], perm[-(-c // BS) :]
-        slots = [table[p // BS] * BS + p % BS for p in range(c)]
-        tables.append(table)
-        kv_slots.append(torch.tensor(slots, dtype=torch.long, device=DEV))
-        slot_mapping.extend(slots[c - n :])
-        starts.append(pos)
-        pos += n
-    width = max(len(t) for t in tables)
-    packed = torch.tensor(
-        [[s, n, c] + t + [0] * (width - len(t)) for s, n, c, t in zip(starts, q_lens, ctx_lens, tables)],
-        dtype=torch.int32,
-    ).to(DEV)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=DEV),
-        query_starts=starts,
-        query_lens=list(q_lens),
-        context_lens=list(ctx_lens),
-        kv_slots=kv_slots,
-        block_tables=packed[:, 3:],
-        seq_info=packed[:, :3],
-        block_size=BS,
-    )
+    return make_batch(g, q_lens, ctx_lens, BS, NUM_BLOCKS, DEV, blocks=perm)
 
 
 @pytest.mark.parametrize("batch", list(KERNEL_BATCHES))
