@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from loraserve.layers import triton_decode_linear as dl
-from loraserve.layers import triton_decode_linear_kernel as dlk
+from loraserve.lora.ops.triton import decode_linear_kernel as dlk
 
 TARGET = GPUTarget("cuda", 90, 32)
 SM_REGS, SM_SMEM, RESERVED = 65536, 228 * 1024, 1024

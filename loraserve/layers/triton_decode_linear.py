@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.layers.triton_decode_linear_kernel import decode_linear_kernel
+from loraserve.lora.ops.triton.decode_linear_kernel import decode_linear_kernel
 from loraserve.lora.ops.triton.expand_block import slots_per_chunk
 from loraserve.lora.ops.triton.utils import (
     compute_dtype_of,

@@ -1,4 +1,4 @@
-"""The decode GEMM's Triton kernel and its helpers (``triton_decode_linear`` launches it; its docstring says what
+"""The decode GEMM's Triton kernel, with its LoRA epilogue (``layers/triton_decode_linear`` launches it; its docstring says what
 it computes and why): a K loop over a block of W's rows (or, past W's blocks, of A's rows: ``shrink_into``), split-K
 with a deterministic sum, and the epilogue that adds the LoRA delta (``expand_block.block_delta``)."""
 
